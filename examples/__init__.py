@@ -1,0 +1,1 @@
+"""Recipes: models and data modules that follow lightning_parallel.protocol."""

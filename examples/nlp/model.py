@@ -1,0 +1,222 @@
+"""A GPT-style decoder written to be split: pipeline stages and tensor shards.
+
+Note:
+    * The blocks live in an ``nn.ModuleDict`` keyed ``"0".."N-1"`` and the whole model is
+      ``embed -> blocks -> head``: those are the pipeline layers, and their parameter names
+      (``blocks.3.attn.q.weight``) do not change with the pipeline split, which is what
+      lets a checkpoint load under another layout.
+    * Attention reshapes with ``-1`` heads, so a tensor-parallel rank holding a column
+      slice of q/k/v computes its own heads unchanged.
+    * The LM head is not tied to the token embedding: tying would couple the first and
+      last pipeline stages.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class TokenEmbedding(nn.Module):
+    """Token plus learned position embedding, then dropout."""
+
+    def __init__(self, vocab_size: int, d_model: int, seq_len: int, dropout: float) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok(idx) + self.pos(positions))
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention with separate q/k/v projections (shardable by heads)."""
+
+    def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.head_dim = d_model // n_head
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
+        self.out = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq, _ = x.shape
+        # -1 instead of n_head: under tensor parallelism a rank holds only its share of heads.
+        q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(batch, seq, -1)
+        return self.resid_drop(self.out(y))
+
+
+class MLP(nn.Module):
+    """Two-layer GELU feed-forward network."""
+
+    def __init__(self, d_model: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.up = nn.Linear(d_model, hidden)
+        self.down = nn.Linear(hidden, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.down(F.gelu(self.up(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, d_model: int, n_head: int, mlp_ratio: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_head, dropout)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model, mlp_ratio * d_model, dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class LMHead(nn.Module):
+    """Final norm and projection to vocabulary logits."""
+
+    def __init__(self, d_model: int, vocab_size: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.proj = nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(self.norm(x))
+
+
+def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_ratio: float = 0.1) -> float:
+    """Learning-rate multiplier: linear warm-up, then cosine decay to ``min_ratio``."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if max_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (max_steps - warmup_steps))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class GPT(pl.LightningModule):
+    """A small decoder-only transformer language model following the suite's module protocol.
+
+    Args:
+        vocab_size: number of token ids (256 for bytes).
+        seq_len: context length (size of the position table).
+        d_model: residual width.
+        n_layer: number of transformer blocks.
+        n_head: attention heads (must divide ``d_model``).
+        mlp_ratio: MLP hidden width as a multiple of ``d_model``.
+        dropout: dropout probability everywhere.
+        optimizer: a partial optimizer factory taking the parameter groups
+            (Hydra ``_partial_: true``); AdamW(lr=3e-3) when omitted.
+        weight_decay: applied to matrices only (not biases, norms or embeddings).
+        warmup_steps: linear warm-up steps of the learning-rate schedule.
+        max_steps: steps of the cosine decay (the Trainer's ``max_steps``); 0 keeps lr flat after warm-up.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        seq_len: int = 128,
+        d_model: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        mlp_ratio: int = 4,
+        dropout: float = 0.0,
+        optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 0,
+        max_steps: int = 0,
+    ) -> None:
+        super().__init__()
+        if d_model % n_head:
+            raise ValueError(f"n_head={n_head} must divide d_model={d_model}: pick n_head among the divisors of d_model.")
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=3e-3)
+        self.embed = TokenEmbedding(vocab_size, d_model, seq_len, dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(d_model, n_head, mlp_ratio, dropout) for i in range(n_layer)})
+        self.head = LMHead(d_model, vocab_size)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    # --- module protocol -------------------------------------------------------------
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks.values(), self.head]
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(output.flatten(0, 1), target.flatten(0, 1))
+
+    def tensor_parallel_plan(self) -> dict[str, Any]:
+        """Megatron-style sharding: q/k/v and MLP-up by columns, attention-out and MLP-down by rows,
+        the token embedding by vocabulary rows and the LM head by vocabulary columns."""
+        return {
+            "embed.tok": "embedding_rowwise",
+            "blocks.*.attn.q": "colwise",
+            "blocks.*.attn.k": "colwise",
+            "blocks.*.attn.v": "colwise",
+            "blocks.*.attn.out": "rowwise",
+            "blocks.*.mlp.up": "colwise",
+            "blocks.*.mlp.down": "rowwise",
+            "head.proj": "colwise_output",
+        }
+
+    # --- Lightning -------------------------------------------------------------------
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.embed(idx)
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        inputs, targets = batch
+        loss = self.pipeline_loss(self(inputs), targets)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        inputs, targets = batch
+        loss = self.pipeline_loss(self(inputs), targets)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        inputs, targets = batch
+        loss = self.pipeline_loss(self(inputs), targets)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        decay, no_decay = [], []
+        for name, param in self.named_parameters():
+            if not param.requires_grad:
+                continue
+            # Matrices of Linear layers decay; biases, norms and embedding tables do not.
+            (decay if param.ndim >= 2 and "embed" not in name else no_decay).append(param)
+        groups = [
+            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        optimizer = self.optimizer_factory([g for g in groups if g["params"]])
+        schedule = partial(warmup_cosine, warmup_steps=self.hparams.warmup_steps, max_steps=self.hparams.max_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

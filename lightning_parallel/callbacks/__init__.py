@@ -1,0 +1,5 @@
+"""Lightning callbacks of the suite."""
+
+from lightning_parallel.callbacks.throughput import ThroughputReport
+
+__all__ = ["ThroughputReport"]

@@ -1,0 +1,140 @@
+"""Start the other ranks of a single-node run from the entry point.
+
+Note:
+    Lightning's own subprocess launcher re-runs ``sys.argv`` for ranks 1..N-1. Under a
+    Hydra multirun (``-m strategy=ddp trainer.devices=1,2``) that would make every child
+    run the whole sweep again (hydra#2070, lightning-hydra-template#393). Here each job of
+    a sweep starts its own children from that job's *resolved* config, written into the
+    job's output folder, so the children run exactly that one job in the same folder.
+    Rank 0 is the current process; it gets the same environment ``torchrun`` would give,
+    so Lightning sees the processes as externally launched and does not launch again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+_RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_RANK", "RANK", "LOCAL_WORLD_SIZE")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (never a fixed port: runs may overlap)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launched_externally() -> bool:
+    """True when torchrun, SLURM or a parent launcher already started every rank."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    return "LOCAL_RANK" in os.environ or TorchElasticEnvironment.detect() or SLURMEnvironment.detect()
+
+
+def processes_to_launch(devices: Any, num_nodes: int) -> int:
+    """How many local processes this entry point must start itself (0: none, leave it to Lightning).
+
+    Args:
+        devices: ``trainer.devices`` from the config.
+        num_nodes: ``trainer.num_nodes``.
+
+    Raises:
+        ValueError: several nodes requested without a launcher that starts processes on them.
+    """
+    if launched_externally():
+        return 0
+    if num_nodes > 1:
+        raise ValueError(
+            f"trainer.num_nodes={num_nodes} needs a launcher on every node: run under torchrun "
+            "(--nnodes, --node-rank, --rdzv-endpoint) or SLURM (srun / hydra/launcher=submitit_slurm); see the README."
+        )
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices > 1:
+        return devices
+    return 0
+
+
+class _ChildWatcher(threading.Thread):
+    """Kills the whole run if a child rank dies: the others would wait for it forever."""
+
+    def __init__(self, children: list[subprocess.Popen]) -> None:
+        super().__init__(daemon=True, name="lp-child-watcher")
+        self.children = children
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(2.0):
+            failed = [(i + 1, c.returncode) for i, c in enumerate(self.children) if c.poll() not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                print(f"[lightning_parallel] rank {rank} exited with code {code}; stopping all ranks.", file=sys.stderr)
+                for child in self.children:
+                    if child.poll() is None:
+                        child.kill()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextmanager
+def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int) -> Iterator[None]:
+    """Start ranks 1..nprocs-1 as children and make this process rank 0 for the duration.
+
+    Args:
+        cfg: the job's composed config (resolved and written to ``run_dir/.lp/config.yaml``).
+        run_dir: the job's output folder, shared by all ranks.
+        nprocs: number of processes on this node.
+    """
+    config_dir = run_dir / ".lp"
+    config_dir.mkdir(parents=True, exist_ok=True)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    (config_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nprocs))
+    rank_env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(nprocs),
+        "LOCAL_WORLD_SIZE": str(nprocs),
+        "NODE_RANK": "0",
+    }
+    children = []
+    for rank in range(1, nprocs):
+        env = {**os.environ, **rank_env, "LOCAL_RANK": str(rank), "RANK": str(rank), "OMP_NUM_THREADS": threads}
+        command = [
+            sys.executable, "-m", "lightning_parallel.train",
+            f"--config-path={config_dir}", "--config-name=config",
+            f"hydra.run.dir={run_dir}", "hydra.output_subdir=null", f"hydra.job.name=rank{rank}",
+        ]  # fmt: skip
+        children.append(subprocess.Popen(command, env=env))
+    saved = {key: os.environ.get(key) for key in (*_RANK_ENV, "OMP_NUM_THREADS")}
+    os.environ.update({**rank_env, "LOCAL_RANK": "0", "RANK": "0", "OMP_NUM_THREADS": threads})
+    watcher = _ChildWatcher(children)
+    watcher.start()
+    try:
+        yield
+    finally:
+        watcher.stopped.set()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        deadline = time.monotonic() + 120
+        for child in children:
+            try:
+                child.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+    failed = [(i + 1, c.returncode) for i, c in enumerate(children) if c.returncode != 0]
+    if failed:
+        raise RuntimeError(f"Ranks exited with errors (rank, code): {failed}; see their output above.")

@@ -1,0 +1,66 @@
+"""The tables rank 0 prints: what a run is about to do, and what it did."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.scaling import EffectiveHparams
+
+
+def _table(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def startup_rows(
+    strategy_name: str,
+    layout: ParallelLayout,
+    hparams: EffectiveHparams,
+    reference: Optional[Mapping[str, Any]],
+    accelerator: str,
+    num_nodes: int,
+    paths: Mapping[str, str],
+    extra: Optional[Mapping[str, str]] = None,
+) -> list[tuple[str, str]]:
+    """Rows of the start-up table.
+
+    Args:
+        strategy_name: class or registry name of the strategy.
+        layout: the resolved data x pipeline x tensor layout.
+        hparams: effective batch / accumulation / lr / warm-up after rescaling.
+        reference: the scaling reference (None when the rule is ``none``).
+        accelerator: ``cpu`` or ``cuda``.
+        num_nodes: nodes in the run.
+        paths: ``output``, ``logs`` and ``checkpoints`` folders.
+        extra: strategy-specific rows (pipeline split, rank map, ...).
+    """
+    ref = ""
+    if reference and hparams.rule != "none":
+        ref = f"  (reference: global batch {reference.get('global_batch_size')}, lr {reference.get('lr')}, warm-up {reference.get('warmup_steps')})"
+    rows = [
+        ("strategy", strategy_name),
+        ("world size", f"{layout.world_size} ({num_nodes} node(s) x {layout.world_size // max(num_nodes, 1)} {accelerator} process(es))"),
+        ("layout", f"{layout.describe()}  (data x pipeline x tensor)"),
+        ("micro-batch / device", str(hparams.micro_batch_size)),
+        ("gradient accumulation", str(hparams.accumulate_grad_batches)),
+        ("global batch", f"{hparams.global_batch_size} = {hparams.micro_batch_size} x {hparams.accumulate_grad_batches} x dp{hparams.data_parallel}"),
+        ("learning rate", f"{hparams.lr:.4g}  (scaling rule: {hparams.rule}){ref}"),
+        ("warm-up steps", str(hparams.warmup_steps)),
+    ]
+    rows += list((extra or {}).items())
+    rows += [(f"{name} dir", str(path)) for name, path in paths.items()]
+    return rows
+
+
+def print_table(title: str, rows: list[tuple[str, str]], console: Optional[Console] = None) -> None:
+    """Print a two-column table (rank 0 only: the caller decides)."""
+    (console or Console(width=140)).print(_table(title, rows))

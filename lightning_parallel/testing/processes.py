@@ -1,0 +1,131 @@
+"""Run a function in N CPU processes joined by gloo, as a test or a script would.
+
+Every distributed test of the suite goes through :func:`run_processes`: it picks a free
+port (never a fixed one), gives each rank the environment ``torchrun`` would
+(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) plus
+``OMP_NUM_THREADS=1``, and waits with a deadline. A rank that raises, dies or hangs
+ends the whole run: all ranks are killed and the error shows the failing rank's
+traceback, so a broken collective never hangs the test session.
+
+Because ``LOCAL_RANK`` is set, Lightning treats the processes as launched externally,
+so the function may build a ``Trainer(devices=N, ...)`` and call ``fit`` directly.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+from lightning_parallel.launch import free_port
+
+
+class DistributedRunError(RuntimeError):
+    """A rank raised, died or timed out; the message carries its traceback."""
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    env: dict[str, str],
+    args: tuple,
+    kwargs: dict,
+    results: "mp.Queue[tuple[int, bool, Any]]",
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "NODE_RANK": "0",
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
+    )
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        value = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent with its traceback
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_processes(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    env: Optional[dict[str, str]] = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` fresh processes.
+
+    Args:
+        fn: a module-level (picklable) function; it may call
+            ``torch.distributed.init_process_group("gloo")`` or build a Lightning Trainer.
+        world_size: number of processes.
+        *args: positional arguments passed to every rank.
+        timeout: seconds for the whole run; on expiry all ranks are killed.
+        env: extra environment variables for every rank.
+        **kwargs: keyword arguments passed to every rank.
+
+    Returns:
+        The return values, indexed by rank (they must be picklable).
+
+    Raises:
+        DistributedRunError: a rank raised (its traceback is in the message), exited
+            without reporting, or the deadline passed.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1.")
+    ctx = mp.get_context("spawn")  # fork after torch has started threads is unsafe
+    results: mp.Queue = ctx.Queue()
+    port = free_port()
+    rank_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
+    procs = [
+        ctx.Process(target=_worker, args=(fn, rank, world_size, port, rank_env, args, kwargs, results), daemon=False)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(outputs))
+                raise DistributedRunError(f"Timed out after {timeout:.0f}s waiting for ranks {missing}.")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
+                if dead:
+                    raise DistributedRunError(
+                        f"Rank {dead[0]} exited with code {procs[dead[0]].exitcode} without reporting a result."
+                    ) from None
+                continue
+            if not ok:
+                raise DistributedRunError(f"Rank {rank} of {world_size} failed:\n{value}")
+            outputs[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=10 if len(outputs) == world_size else 0.1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [outputs[rank] for rank in range(world_size)]
