@@ -1,0 +1,62 @@
+"""Shared rank functions for parity tests: fit a protocol model under a strategy and return its losses."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+
+from lightning_parallel.testing import LossHistory
+from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
+
+SAMPLES = 256
+
+
+def fit_losses(
+    rank: int,
+    world_size: int,
+    strategy: Any,
+    global_batch: int,
+    data_parallel: int,
+    steps: int = 10,
+    optimizer: str = "sgd",
+    trainer_kwargs: Optional[dict] = None,
+    model_factory: Optional[Callable[[], pl.LightningModule]] = None,
+) -> list[float]:
+    """Fit ``steps`` optimizer steps of a tiny model; return the global-batch loss of every batch.
+
+    Args:
+        rank: this process's rank (from the harness).
+        world_size: number of processes.
+        strategy: a strategy object, a registered name, or a zero-argument factory.
+        global_batch: samples per optimizer step across all data-parallel ranks.
+        data_parallel: data-parallel size of the layout (divides the batch).
+        steps: optimizer steps.
+        optimizer: ``"sgd"`` or ``"adamw"``.
+        trainer_kwargs: extra Trainer arguments (accumulation, clipping, ...).
+        model_factory: builds the model (default: ResidualMLP width 32, depth 4).
+    """
+    pl.seed_everything(0)
+    trainer_kwargs = dict(trainer_kwargs or {})
+    accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
+    model = model_factory() if model_factory else ResidualMLP(width=32, depth=4, optimizer=optimizer)
+    if callable(strategy) and not isinstance(strategy, (str, pl.strategies.Strategy)):
+        strategy = strategy()
+    history = LossHistory()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[history],
+        **trainer_kwargs,
+    )
+    data = FixedOrderData(regression_dataset(SAMPLES, 32), batch_size=global_batch // data_parallel)
+    trainer.fit(model, datamodule=data)
+    assert len(history.losses) == steps * accumulate
+    return history.losses
