@@ -86,6 +86,25 @@ class _ChildWatcher(threading.Thread):
 
 
 @contextmanager
+def restored_rank_environment() -> Iterator[None]:
+    """Undo the rank variables a job leaves in ``os.environ``.
+
+    Lightning's own launcher writes ``LOCAL_RANK``/``WORLD_SIZE`` into the parent's
+    environment even for one device; the next job of a multirun would then believe it was
+    launched externally with the old world size.
+    """
+    saved = {key: os.environ.get(key) for key in (*_RANK_ENV, "OMP_NUM_THREADS")}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextmanager
 def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int) -> Iterator[None]:
     """Start ranks 1..nprocs-1 as children and make this process rank 0 for the duration.
 
@@ -112,10 +131,10 @@ def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int) -> Iterator[None]:
         command = [
             sys.executable, "-m", "lightning_parallel.train",
             f"--config-path={config_dir}", "--config-name=config",
-            f"hydra.run.dir={run_dir}", "hydra.output_subdir=null", f"hydra.job.name=rank{rank}",
+            # Quoted: sweep folders carry '=' and ',' from the overrides, which Hydra's grammar would parse.
+            f"hydra.run.dir='{run_dir}'", "hydra.output_subdir=null", f"hydra.job.name=rank{rank}",
         ]  # fmt: skip
         children.append(subprocess.Popen(command, env=env))
-    saved = {key: os.environ.get(key) for key in (*_RANK_ENV, "OMP_NUM_THREADS")}
     os.environ.update({**rank_env, "LOCAL_RANK": "0", "RANK": "0", "OMP_NUM_THREADS": threads})
     watcher = _ChildWatcher(children)
     watcher.start()
@@ -123,11 +142,6 @@ def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int) -> Iterator[None]:
         yield
     finally:
         watcher.stopped.set()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         deadline = time.monotonic() + 120
         for child in children:
             try:

@@ -130,15 +130,16 @@ def run(cfg: DictConfig) -> Optional[float]:
     import torch.distributed as dist
     from hydra.core.hydra_config import HydraConfig
 
-    from lightning_parallel.launch import local_ranks, processes_to_launch
+    from lightning_parallel.launch import local_ranks, processes_to_launch, restored_rank_environment
 
     nprocs = processes_to_launch(cfg.trainer.devices, int(cfg.trainer.num_nodes))
     try:
-        if nprocs:
-            with local_ranks(cfg, Path(HydraConfig.get().runtime.output_dir), nprocs):
+        with restored_rank_environment():
+            if nprocs:
+                with local_ranks(cfg, Path(HydraConfig.get().runtime.output_dir), nprocs):
+                    metrics = train(cfg)
+            else:
                 metrics = train(cfg)
-        else:
-            metrics = train(cfg)
     finally:
         # A multirun runs the next job in this process; it must start from a clean slate.
         if dist.is_available() and dist.is_initialized():
