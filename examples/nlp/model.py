@@ -168,16 +168,29 @@ class GPT(pl.LightningModule):
 
     def tensor_parallel_plan(self) -> dict[str, Any]:
         """Megatron-style sharding: q/k/v and MLP-up by columns, attention-out and MLP-down by rows,
-        the token embedding by vocabulary rows and the LM head by vocabulary columns."""
+        the token embedding by vocabulary rows and the LM head by vocabulary columns.
+
+        Under sequence parallelism the residual stream is sliced along the sequence: the
+        token embedding stays replicated because the learned position table is added to it
+        first, and ``embed`` slices the sum; norms run on the slice and attention/MLP gather
+        the full sequence on entry. The ``sequence``/``scatter_output`` entries do nothing
+        without sequence parallelism.
+        """
         return {
-            "embed.tok": "embedding_rowwise",
+            "embed.tok": "embedding_rowwise_replicated",
+            "embed": "scatter_output",
+            "blocks.*.ln1": "sequence",
+            "blocks.*.attn": "gather_input",
             "blocks.*.attn.q": "colwise",
             "blocks.*.attn.k": "colwise",
             "blocks.*.attn.v": "colwise",
             "blocks.*.attn.out": "rowwise",
+            "blocks.*.ln2": "sequence",
+            "blocks.*.mlp": "gather_input",
             "blocks.*.mlp.up": "colwise",
             "blocks.*.mlp.down": "rowwise",
-            "head.proj": "colwise_output",
+            "head.norm": "sequence",
+            "head.proj": "colwise_gather",
         }
 
     # --- Lightning -------------------------------------------------------------------
