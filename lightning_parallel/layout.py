@@ -49,7 +49,8 @@ def _factorizations(world_size: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _check_size(name: str, value: object) -> None:
+def check_size(name: str, value: object) -> None:
+    """Raise a ``ValueError`` unless ``value`` is a positive int or ``"auto"``."""
     if value == "auto":
         return
     if isinstance(value, bool) or not isinstance(value, int):
@@ -83,7 +84,7 @@ class ParallelLayout:
             value = getattr(self, name)
             if value == "auto":
                 raise ValueError(f"{name}='auto' must be resolved first: build the layout with ParallelLayout.resolve().")
-            _check_size(name, value)
+            check_size(name, value)
         product = self.data_parallel * self.pipeline_parallel * self.tensor_parallel
         if product != self.world_size:
             valid = ", ".join(f"{d}x{p}x{t}" for d, p, t in _factorizations(self.world_size)[:8])
@@ -114,12 +115,12 @@ class ParallelLayout:
             ValueError: non-positive sizes, more than one ``"auto"``, or sizes that do not
                 multiply (or divide) to the world size. The message names the fix.
         """
-        _check_size("world_size", world_size)
+        check_size("world_size", world_size)
         if world_size == "auto":
             raise ValueError("world_size cannot be 'auto': pass devices x num_nodes.")
         sizes = {"data_parallel": data_parallel, "pipeline_parallel": pipeline_parallel, "tensor_parallel": tensor_parallel}
         for name, value in sizes.items():
-            _check_size(name, value)
+            check_size(name, value)
         auto = [name for name, value in sizes.items() if value == "auto"]
         if len(auto) > 1:
             raise ValueError(

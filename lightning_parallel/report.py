@@ -64,3 +64,23 @@ def startup_rows(
 def print_table(title: str, rows: list[tuple[str, str]], console: Optional[Console] = None) -> None:
     """Print a two-column table (rank 0 only: the caller decides)."""
     (console or Console(width=140)).print(_table(title, rows))
+
+
+def rank_map_rows(layout: ParallelLayout, limit: int = 16) -> dict[str, str]:
+    """The rank map: which global ranks form each tensor, pipeline and data group.
+
+    Args:
+        layout: the resolved layout.
+        limit: groups shown per axis before eliding.
+    """
+    from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL
+
+    rows = {}
+    for label, axis in (("tensor groups", TENSOR_PARALLEL), ("pipeline groups", PIPELINE_PARALLEL), ("data groups", DATA_PARALLEL)):
+        groups = sorted({tuple(layout.group_ranks(axis, rank)) for rank in range(layout.world_size)})
+        if len(groups[0]) == 1:
+            continue
+        shown = " ".join(str(list(g)) for g in groups[:limit]) + (" ..." if len(groups) > limit else "")
+        rows[label] = shown
+    rows["rank -> (data, pipeline, tensor)"] = " ".join(f"{r}:{tuple(c)}" for r, c in layout.rank_map()[: limit * 2])
+    return rows

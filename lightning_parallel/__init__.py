@@ -1,0 +1,11 @@
+"""lightning_parallel: pipeline, tensor, hybrid and DeepSpeed ZeRO parallelism for PyTorch Lightning.
+
+Importing the package registers its strategies with Lightning, so
+``Trainer(strategy="pipeline_parallel")`` works after ``import lightning_parallel``.
+"""
+
+from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.strategies import HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
+
+__all__ = ["HybridParallelStrategy", "ParallelLayout", "PipelineParallelStrategy", "TensorParallelStrategy"]
+__version__ = "0.1.0"

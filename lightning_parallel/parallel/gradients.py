@@ -1,0 +1,141 @@
+"""Gradient reduction and clipping that see the whole model, wherever its pieces live.
+
+Note:
+    ``torch.nn.utils.clip_grad_norm_`` sees one process's parameters. Under pipeline
+    parallelism each rank holds different layers, so the norm to clip with is the
+    combination of every stage's norm; under tensor parallelism some gradients are
+    sharded DTensors (their norm is a partial sum over the tensor group) beside plain
+    replicated ones (counted once), and torch refuses the mix. This module computes the
+    true global norm across all three mesh axes and scales every gradient by the same
+    coefficient, as Megatron-LM and torchtitan do by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _grads_by_mesh(parameters: Iterable[Tensor]) -> dict[object, list[Tensor]]:
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            # Norms of DTensors on different meshes cannot be stacked: group by mesh.
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p.grad)
+    return groups
+
+
+def total_grad_norm(
+    parameters: Union[Tensor, Iterable[Tensor]],
+    norm_type: float = 2.0,
+    pipeline_group: Optional[dist.ProcessGroup] = None,
+) -> Tensor:
+    """The p-norm of all gradients of the model, the same value on every rank.
+
+    Args:
+        parameters: this rank's parameters (plain tensors and/or DTensors).
+        norm_type: p of the p-norm; ``float("inf")`` for the max norm.
+        pipeline_group: the group of pipeline stages holding the rest of the model
+            (None when the model is not pipelined). Data-parallel replicas need no
+            reduction: their gradients are already averaged (or sharded as DTensors).
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    norm_type = float(norm_type)
+    norms = []
+    for grads in _grads_by_mesh(params).values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=False if isinstance(grads[0], DTensor) else None)
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
+    device = norms[0].device if norms else (params[0].device if params else torch.device("cpu"))
+    local = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type) if norms else torch.zeros((), device=device)
+    if pipeline_group is None or dist.get_world_size(pipeline_group) == 1:
+        return local
+    if norm_type == float("inf"):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pipeline_group)
+        return local
+    powered = local.pow(norm_type)
+    dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=pipeline_group)
+    return powered.pow(1.0 / norm_type)
+
+
+def clip_grad_norm_(
+    parameters: Union[Tensor, Iterable[Tensor]],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    pipeline_group: Optional[dist.ProcessGroup] = None,
+) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` with the global norm across tensor and pipeline ranks.
+
+    Args:
+        parameters: parameters whose gradients are clipped in place.
+        max_norm: largest allowed total norm.
+        norm_type: p of the p-norm.
+        error_if_nonfinite: raise if the total norm is nan or inf.
+        pipeline_group: see :func:`total_grad_norm`.
+
+    Returns:
+        The total norm before clipping (same on every rank).
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    total = total_grad_norm(params, norm_type, pipeline_group)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"The total gradient norm of order {norm_type} is non-finite ({total.item()}); cannot clip.")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grads in _grads_by_mesh(params).values():
+        for g in grads:
+            # Scale a DTensor through its local shard: the coefficient is the same plain
+            # scalar on every rank, so no collective is needed.
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
+    return total
+
+
+def all_reduce_gradients(parameters: Iterable[Tensor], group: dist.ProcessGroup, bucket_bytes: int = 25 * 2**20) -> None:
+    """Average gradients over a data-parallel group (plain data parallelism, ``zero_stage=0``).
+
+    Gradients are flattened into buckets of about ``bucket_bytes`` so one collective
+    carries many small tensors. A DTensor gradient is reduced through its local shard:
+    the data-parallel replicas hold the same shard of the same tensor-parallel layout.
+
+    Note:
+        This runs once per optimizer step after the last backward (gradient accumulation
+        needs no communication in between). It does not overlap with the backward pass as
+        DDP's hooks do; on GPUs prefer ``zero_stage=2``, where FSDP2 overlaps the reduction.
+
+    Args:
+        parameters: parameters whose ``.grad`` to average.
+        group: the data-parallel process group.
+        bucket_bytes: approximate size of one flattened all-reduce.
+    """
+    from torch.distributed.tensor import DTensor
+
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in parameters if p.grad is not None]
+    buckets: dict[tuple, list[list[Tensor]]] = {}
+    for g in grads:
+        key = (g.dtype, g.device)
+        bucket_list = buckets.setdefault(key, [[]])
+        if sum(t.numel() * t.element_size() for t in bucket_list[-1]) > bucket_bytes:
+            bucket_list.append([])
+        bucket_list[-1].append(g)
+    for bucket_list in buckets.values():
+        for bucket in bucket_list:
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            flat.div_(size)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()

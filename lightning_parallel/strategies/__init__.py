@@ -1,0 +1,23 @@
+"""Lightning strategies of the suite, registered by name on import.
+
+``import lightning_parallel`` makes ``Trainer(strategy="pipeline_parallel")`` (and the other
+names) work: Lightning has no entry-point discovery for strategies.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_parallel.strategies.hybrid import HybridParallelStrategy
+from lightning_parallel.strategies.presets import PipelineParallelStrategy, TensorParallelStrategy
+
+STRATEGIES = (HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy)
+
+
+def register_all(registry=StrategyRegistry) -> None:
+    """Register every strategy of the suite in Lightning's ``StrategyRegistry`` (idempotent)."""
+    for strategy in STRATEGIES:
+        strategy.register_strategies(registry)
+
+
+register_all()
+
+__all__ = ["HybridParallelStrategy", "PipelineParallelStrategy", "TensorParallelStrategy", "register_all"]
