@@ -1,0 +1,196 @@
+"""DeepSpeed config building, conflict checks, registry names and bad input; no processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_parallel.strategies.deepspeed import (
+    REGISTERED,
+    DeepSpeedDataParallelStrategy,
+    apply_precision,
+    apply_trainer_settings,
+    build_zero_config,
+)
+
+
+def test_explicit_arguments_build_the_zero_section():
+    config = build_zero_config(3, offload_optimizer=True, offload_parameters=True)
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+    assert config["zero_allow_untested_optimizer"] is True
+    assert config["zero_force_ds_cpu_optimizer"] is False  # torch optimizers are allowed with offload
+
+
+def test_raw_config_is_merged_under_the_arguments_and_left_untouched():
+    raw = {"zero_optimization": {"reduce_bucket_size": 1000, "offload_optimizer": {"device": "cpu", "pin_memory": True}}, "steps_per_print": 7}
+    snapshot = json.dumps(raw, sort_keys=True)
+    config = build_zero_config(2, offload_optimizer=True, config=raw)
+    assert config["zero_optimization"] == {
+        "reduce_bucket_size": 1000,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},  # the raw block's details are kept
+        "stage": 2,
+    }
+    assert config["steps_per_print"] == 7
+    assert json.dumps(raw, sort_keys=True) == snapshot
+
+
+def test_raw_config_may_repeat_an_argument(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": False}))
+    config = build_zero_config(3, config=path)
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["zero_allow_untested_optimizer"] is False  # not an argument: the raw value stays
+
+
+def test_raw_config_from_hydra_is_accepted():
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.create({"zero_optimization": {"reduce_bucket_size": 10}, "optimizer_betas_example": [0.9, 0.95]})
+    config = build_zero_config(1, config=raw)
+    assert config["optimizer_betas_example"] == [0.9, 0.95] and type(config["zero_optimization"]) is dict
+
+
+def test_raw_stage_that_contradicts_the_argument_is_refused():
+    with pytest.raises(ValueError, match=r"zero_optimization.stage=3 but the strategy has stage=2.*pass stage=3"):
+        build_zero_config(2, config={"zero_optimization": {"stage": 3}})
+
+
+def test_offload_asked_but_switched_off_in_raw_config_is_refused():
+    with pytest.raises(ValueError, match="offload_optimizer=True.*does not offload"):
+        build_zero_config(2, offload_optimizer=True, config={"zero_optimization": {"offload_optimizer": {"device": "none"}}})
+
+
+@pytest.mark.parametrize("stage", [-1, 4, "2", True, 2.5])
+def test_unknown_stage_is_refused(stage):
+    with pytest.raises(ValueError, match="is not a ZeRO stage: use 0, 1, 2 or 3"):
+        DeepSpeedDataParallelStrategy(stage=stage)
+
+
+@pytest.mark.parametrize(
+    ("stage", "kwargs", "match"),
+    [
+        (2, {"offload_parameters": True}, "stage 2 cannot offload parameters.*stage>=3"),
+        (1, {"offload_parameters": True, "offload_optimizer": True}, "cannot offload parameters"),
+        (0, {"offload_optimizer": True}, "stage 0 cannot offload optimizer state.*stage>=1"),
+        (2, {"config": {"zero_optimization": {"offload_param": {"device": "cpu"}}}}, "stage 2 cannot offload parameters"),
+    ],
+)
+def test_offload_the_stage_cannot_do_is_refused(stage, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DeepSpeedDataParallelStrategy(stage=stage, **kwargs)
+
+
+def test_supported_offloads_are_accepted():
+    assert DeepSpeedDataParallelStrategy(stage=1, offload_optimizer=True).config["zero_optimization"]["offload_optimizer"]
+    strategy = DeepSpeedDataParallelStrategy(stage=3, offload_optimizer=True, offload_parameters=True)
+    assert strategy.zero_stage_3
+
+
+def test_bad_config_sources_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        build_zero_config(2, config=tmp_path / "missing.json")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        build_zero_config(2, config=broken)
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        build_zero_config(2, config=[1, 2])
+
+
+def test_trainer_settings_fill_batch_accumulation_and_clipping():
+    config = apply_trainer_settings({}, micro_batch_size=8, accumulate_grad_batches=2, gradient_clip_val=None, data_parallel_size=2)
+    assert config == {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.0,  # never DeepSpeed's default 1.0 when the Trainer does not clip
+        "train_batch_size": 32,
+    }
+    assert apply_trainer_settings({}, 4, 1, 0.5, 1)["gradient_clipping"] == 0.5
+
+
+def test_raw_config_may_repeat_trainer_settings():
+    raw = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0, "train_batch_size": 32}
+    assert apply_trainer_settings(dict(raw), 8, 2, 1.0, 2) == raw
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        ({"train_micro_batch_size_per_gpu": 4}, r"train_micro_batch_size_per_gpu=4 but the train dataloader's batch_size gives 8"),
+        ({"gradient_accumulation_steps": 4}, r"accumulate_grad_batches"),
+        ({"gradient_clipping": 1.0}, r"gradient_clipping=1.0 but Trainer\(gradient_clip_val=...\) gives 0.0"),
+        ({"train_batch_size": 64}, r"train_batch_size=64 but batch_size x accumulate_grad_batches x ranks gives 16"),
+    ],
+)
+def test_raw_config_contradicting_the_trainer_is_refused(raw, match):
+    with pytest.raises(ValueError, match=match):
+        apply_trainer_settings(raw, micro_batch_size=8, accumulate_grad_batches=1, gradient_clip_val=None, data_parallel_size=2)
+
+
+def test_precision_on_cpu_is_fp32_only():
+    assert apply_precision({}, "32-true", "cpu") == {}
+    for precision in ("bf16-mixed", "16-mixed", "bf16-true"):
+        with pytest.raises(ValueError, match="not supported by DeepSpeed on CPU.*run on CUDA"):
+            apply_precision({}, precision, "cpu")
+
+
+def test_precision_on_cuda_uses_deepspeed_blocks():
+    assert apply_precision({}, "bf16-mixed", "cuda") == {"bf16": {"enabled": True}}
+    assert apply_precision({}, "16-mixed", "cuda") == {"fp16": {"enabled": True}}
+    # Loss-scale options in a raw fp16 block stay; the Trainer decides only whether it is on.
+    raw = {"fp16": {"enabled": True, "initial_scale_power": 12}}
+    assert apply_precision(raw, "16-mixed", "cuda")["fp16"]["initial_scale_power"] == 12
+
+
+@pytest.mark.parametrize(
+    ("raw", "precision"),
+    [({"bf16": {"enabled": True}}, "32-true"), ({"fp16": {"enabled": True}}, "bf16-mixed"), ({"bf16": {"enabled": False}}, "bf16-mixed")],
+)
+def test_raw_precision_contradicting_the_trainer_is_refused(raw, precision):
+    with pytest.raises(ValueError, match=r"Trainer\(precision="):
+        apply_precision(raw, precision, "cuda")
+
+
+def test_registered_names_and_their_arguments():
+    DeepSpeedDataParallelStrategy.register_strategies(StrategyRegistry)
+    DeepSpeedDataParallelStrategy.register_strategies(StrategyRegistry)  # idempotent
+    expected = {
+        "deepspeed_zero1": {"stage": 1},
+        "deepspeed_zero2": {"stage": 2},
+        "deepspeed_zero3": {"stage": 3},
+        "deepspeed_zero3_offload": {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
+    }
+    assert set(REGISTERED) == set(expected)
+    for name, init_params in expected.items():
+        assert StrategyRegistry[name]["strategy"] is DeepSpeedDataParallelStrategy
+        assert StrategyRegistry[name]["init_params"] == init_params
+        strategy = StrategyRegistry.get(name)
+        assert strategy.config["zero_optimization"]["stage"] == init_params["stage"]
+
+
+def test_registered_name_builds_a_cpu_trainer():
+    import lightning.pytorch as pl
+
+    DeepSpeedDataParallelStrategy.register_strategies(StrategyRegistry)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="deepspeed_zero2", logger=False, enable_checkpointing=False)
+    assert isinstance(trainer.strategy, DeepSpeedDataParallelStrategy)
+    assert trainer.strategy.config["zero_optimization"]["stage"] == 2
+
+
+def test_hydra_configs_instantiate_the_registered_settings():
+    from pathlib import Path
+
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[3] / "conf" / "strategy"
+    for name, (_, init_params) in REGISTERED.items():
+        node = OmegaConf.load(conf / f"{name}.yaml").strategy
+        strategy = instantiate(node)
+        assert isinstance(strategy, DeepSpeedDataParallelStrategy), name
+        for key, value in init_params.items():
+            assert getattr(strategy, key) == value, (name, key)
