@@ -5,7 +5,13 @@ Importing the package registers its strategies with Lightning, so
 """
 
 from lightning_parallel.layout import ParallelLayout
-from lightning_parallel.strategies import HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
+from lightning_parallel.strategies import (
+    DeepSpeedDataParallelStrategy,
+    HybridParallelStrategy, PipelineParallelStrategy,
+    TensorParallelStrategy,
+)
 
-__all__ = ["HybridParallelStrategy", "ParallelLayout", "PipelineParallelStrategy", "TensorParallelStrategy"]
+__all__ = [
+    "DeepSpeedDataParallelStrategy",
+    "HybridParallelStrategy", "ParallelLayout", "PipelineParallelStrategy", "TensorParallelStrategy"]
 __version__ = "0.1.0"

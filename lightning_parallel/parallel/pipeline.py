@@ -211,7 +211,7 @@ class PipelineSplit:
         for stage in range(self.num_stages):
             layers = self.stage_layers(stage)
             span = layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]}"
-            rows[f"stage {stage}"] = f"{len(layers)} layer(s) [{span}], {self.parameters_per_stage[stage]:,} params"
+            rows[f"stage {stage}"] = f"{len(layers)} layer(s) ({span}), {self.parameters_per_stage[stage]:,} params"
         return rows
 
 
@@ -290,16 +290,19 @@ class PipelineRunner:
         self.has_last = num_stages - 1 in stage_ids
         cls = getattr(schedules, SCHEDULES[schedule][0])
         single = SCHEDULES[schedule][1] == "one"
-        # scale_grads=True divides by the micro-batch count: with a mean loss per micro-batch
-        # the gradients are those of the whole batch's mean loss, as on one device.
-        self.schedule = cls(self.stages[0] if single else self.stages, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=True)
+        # Each micro-batch loss is divided by the micro-batch count in _loss, so the summed
+        # gradients are those of the batch's mean loss. torch's scale_grads=True would instead
+        # divide the whole .grad after the step -- including gradients accumulated from
+        # earlier batches (accumulate_grad_batches), which must not be rescaled.
+        self.microbatch_scale = 1.0 / microbatches
+        self.schedule = cls(self.stages[0] if single else self.stages, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False)
         self._batch_size: Optional[int] = None
 
     def _loss(self, output: Any, target: Any) -> Tensor:
         if self._predicting:  # torch computes a loss whenever a loss_fn is set; predict has no targets
             return torch.zeros((), device=output.device)
         # loss_scale carries 1/accumulate_grad_batches, as Lightning scales a closure loss.
-        return self._user_loss(output, target) * self.loss_scale
+        return self._user_loss(output, target) * (self.loss_scale * self.microbatch_scale)
 
     def _check_batch(self, inputs: Tensor) -> None:
         size = int(inputs.shape[0])
@@ -314,7 +317,7 @@ class PipelineRunner:
     def _mean_loss(self, losses: list[Tensor], device: torch.device) -> Tensor:
         """Mean micro-batch loss, sent from the last stage to every pipeline rank."""
         if self.has_last:
-            value = torch.stack([loss.detach().float() for loss in losses]).mean() / self.loss_scale
+            value = torch.stack([loss.detach().float() for loss in losses]).mean() / (self.loss_scale * self.microbatch_scale)
             value = value.full_tensor() if hasattr(value, "full_tensor") else value
             value = value.to(device)
         else:

@@ -6,10 +6,11 @@ names) work: Lightning has no entry-point discovery for strategies.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
 from lightning_parallel.strategies.presets import PipelineParallelStrategy, TensorParallelStrategy
 
-STRATEGIES = (HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy)
+STRATEGIES = (DeepSpeedDataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy)
 
 
 def register_all(registry=StrategyRegistry) -> None:
@@ -20,4 +21,4 @@ def register_all(registry=StrategyRegistry) -> None:
 
 register_all()
 
-__all__ = ["HybridParallelStrategy", "PipelineParallelStrategy", "TensorParallelStrategy", "register_all"]
+__all__ = ["DeepSpeedDataParallelStrategy", "HybridParallelStrategy", "PipelineParallelStrategy", "TensorParallelStrategy", "register_all"]

@@ -60,3 +60,16 @@ def fit_losses(
     trainer.fit(model, datamodule=data)
     assert len(history.losses) == steps * accumulate
     return history.losses
+
+
+def fit_cases(rank: int, world_size: int, cases: dict[str, dict]) -> dict[str, list[float]]:
+    """Run several :func:`fit_losses` cases one after another in the same processes.
+
+    Spawning ranks costs seconds each on a small machine; one launch serves many cases.
+
+    Args:
+        rank: this process's rank.
+        world_size: number of processes.
+        cases: name -> keyword arguments of :func:`fit_losses` (without rank/world_size).
+    """
+    return {name: fit_losses(rank, world_size, **kwargs) for name, kwargs in cases.items()}
