@@ -298,10 +298,24 @@ class HybridParallelStrategy(ModelParallelStrategy):
             value /= self.layout.data_parallel
         return value
 
+    @staticmethod
+    def _plain_loss(output: Any) -> Any:
+        """A loss computed under loss_parallel is a replicated DTensor; Lightning needs a tensor.
+
+        ``full_tensor()`` of a replicated DTensor is differentiable and communication-free.
+        """
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(output, DTensor):
+            return output.full_tensor()
+        if isinstance(output, Mapping) and isinstance(output.get("loss"), DTensor):
+            return {**output, "loss": output["loss"].full_tensor()}
+        return output
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             with self._loss_context():
-                return super().training_step(*args, **kwargs)
+                return self._plain_loss(super().training_step(*args, **kwargs))
         module = self.lightning_module
         inputs, targets = split_batch(module, args[0])
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
@@ -328,13 +342,13 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             with self._loss_context():
-                return super().validation_step(*args, **kwargs)
+                return self._plain_loss(super().validation_step(*args, **kwargs))
         return self._pipeline_eval(args[0], "val_loss")
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             with self._loss_context():
-                return super().test_step(*args, **kwargs)
+                return self._plain_loss(super().test_step(*args, **kwargs))
         return self._pipeline_eval(args[0], "test_loss")
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -12,6 +12,29 @@ from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regre
 SAMPLES = 256
 
 
+def text_dataset(samples: int, seq_len: int):
+    """The first ``samples`` byte windows of the standard-library corpus (real text, fixed)."""
+    from torch.utils.data import Subset
+
+    from examples.nlp.data import ByteWindows, load_corpus
+
+    train, _ = load_corpus(None, max_bytes=samples * seq_len * 2, val_every=10)
+    return Subset(ByteWindows(train, seq_len), range(samples))
+
+
+def tiny_gpt(**overrides):
+    """A GPT small enough for multi-process tests (width 32, 2 blocks, 4 heads, 16 tokens)."""
+    from functools import partial
+
+    import torch
+
+    from examples.nlp.model import GPT
+
+    torch.manual_seed(0)
+    kwargs = dict(seq_len=16, d_model=32, n_layer=2, n_head=4, optimizer=partial(torch.optim.AdamW, lr=1e-2), warmup_steps=0)
+    return GPT(**{**kwargs, **overrides})
+
+
 def fit_losses(
     rank: int,
     world_size: int,
@@ -22,6 +45,7 @@ def fit_losses(
     optimizer: str = "sgd",
     trainer_kwargs: Optional[dict] = None,
     model_factory: Optional[Callable[[], pl.LightningModule]] = None,
+    dataset: str = "regression",
 ) -> list[float]:
     """Fit ``steps`` optimizer steps of a tiny model; return the global-batch loss of every batch.
 
@@ -35,6 +59,7 @@ def fit_losses(
         optimizer: ``"sgd"`` or ``"adamw"``.
         trainer_kwargs: extra Trainer arguments (accumulation, clipping, ...).
         model_factory: builds the model (default: ResidualMLP width 32, depth 4).
+        dataset: ``"regression"`` (width-32 vectors) or ``"text"`` (byte windows of 16 tokens).
     """
     pl.seed_everything(0)
     trainer_kwargs = dict(trainer_kwargs or {})
@@ -56,7 +81,8 @@ def fit_losses(
         callbacks=[history],
         **trainer_kwargs,
     )
-    data = FixedOrderData(regression_dataset(SAMPLES, 32), batch_size=global_batch // data_parallel)
+    samples = regression_dataset(SAMPLES, 32) if dataset == "regression" else text_dataset(SAMPLES, 16)
+    data = FixedOrderData(samples, batch_size=global_batch // data_parallel)
     trainer.fit(model, datamodule=data)
     assert len(history.losses) == steps * accumulate
     return history.losses
