@@ -181,6 +181,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
         # Validate against the module before any process group exists: errors name the fix
         # instead of surfacing as a hang or a shape error inside a collective.
         self.layout = self.resolve_layout(self.num_processes * self.num_nodes)
+        if self.layout.pipeline_parallel_enabled and not self._save_distributed_checkpoint:
+            raise ValueError(
+                "save_distributed_checkpoint=False gathers one file on rank 0, which holds only the first pipeline "
+                "stage: keep save_distributed_checkpoint=True under pipeline parallelism (the folder loads under any layout)."
+            )
         self._check_module(self.lightning_module, self.layout)
         self._setup_distributed()
         self._device_mesh = self.layout.build_mesh(self.root_device.type)
@@ -432,6 +437,24 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
         plugin.clip_grad_by_value = clip_grad_by_value
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        from lightning_parallel.parallel.checkpoint import optimizer_state_dict
+
+        return optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        from pathlib import Path
+
+        from lightning_parallel.parallel.checkpoint import is_sharded_checkpoint, load_sharded_checkpoint
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not is_sharded_checkpoint(path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        return load_sharded_checkpoint(path, self.model, optimizers, strict=self.lightning_module.strict_loading, weights_only=weights_only)
 
     @property
     def pipeline_runner(self) -> Any:
