@@ -93,6 +93,10 @@ class ResidualMLP(pl.LightningModule):
         inputs, targets = batch
         self.log("val_loss", self.pipeline_loss(self(inputs), targets), sync_dist=True)
 
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        inputs, targets = batch
+        self.log("test_loss", self.pipeline_loss(self(inputs), targets), sync_dist=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         factory = OPTIMIZERS[self.optimizer_choice] if isinstance(self.optimizer_choice, str) else self.optimizer_choice
         return factory(self.parameters())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -54,7 +55,9 @@ def _worker(
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
         value = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, True, value))
+        # Plain pickle, not the queue's: torch would share tensors through file descriptors
+        # that vanish when this process exits before the parent reads them.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent with its traceback
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -121,7 +124,7 @@ def run_processes(
                 continue
             if not ok:
                 raise DistributedRunError(f"Rank {rank} of {world_size} failed:\n{value}")
-            outputs[rank] = value
+            outputs[rank] = pickle.loads(value)
     finally:
         for proc in procs:
             proc.join(timeout=10 if len(outputs) == world_size else 0.1)

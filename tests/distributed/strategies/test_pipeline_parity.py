@@ -69,3 +69,17 @@ def test_parity_check_fails_for_a_wrong_gradient_scale():
     per_rank = run_processes(fit_cases, 2, cases, timeout=300)
     reference = _reference(cases)
     assert max_abs_difference(per_rank[0]["broken/sgd/plain"], reference["broken/sgd/plain"]) > 1e-3
+
+
+def test_zero_bubble_schedules_time_partition_and_value_clipping_match_one_process():
+    strategies = {
+        "interleaved_zero_bubble": partial(PipelineParallelStrategy, schedule="interleaved_zero_bubble", stages_per_rank=2),
+        "zbv": partial(PipelineParallelStrategy, schedule="zbv", stages_per_rank=2),
+        "looped_bfs": partial(PipelineParallelStrategy, schedule="looped_bfs", stages_per_rank=2),
+        "1f1b/time": partial(PipelineParallelStrategy, schedule="1f1b", partition="time"),
+        "1f1b/cuts": partial(PipelineParallelStrategy, schedule="1f1b", partition=[2]),
+    }
+    cases = _cases(strategies, optimizers=("adamw",), extras=("plain",))
+    cases["1f1b/value-clip"] = dict(strategy=partial(PipelineParallelStrategy, schedule="1f1b"), global_batch=BATCH, data_parallel=1,
+                                    optimizer="sgd", trainer_kwargs={"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"})
+    _assert_parity(run_processes(fit_cases, 2, cases, timeout=600), _reference(cases))
