@@ -7,11 +7,16 @@ Importing the package registers its strategies with Lightning, so
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.strategies import (
     DeepSpeedDataParallelStrategy,
-    HybridParallelStrategy, PipelineParallelStrategy,
+    HybridParallelStrategy,
+    PipelineParallelStrategy,
     TensorParallelStrategy,
 )
 
 __all__ = [
     "DeepSpeedDataParallelStrategy",
-    "HybridParallelStrategy", "ParallelLayout", "PipelineParallelStrategy", "TensorParallelStrategy"]
+    "HybridParallelStrategy",
+    "ParallelLayout",
+    "PipelineParallelStrategy",
+    "TensorParallelStrategy",
+]
 __version__ = "0.1.0"

@@ -57,7 +57,9 @@ def validate_schedule(schedule: str, pipeline_parallel: int, stages_per_rank: in
     if schedule not in SCHEDULES:
         raise ValueError(f"Unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}.")
     if schedule not in available_schedules():
-        raise ValueError(f"schedule={schedule!r} needs a newer torch ({torch.__version__} lacks it): use one of {available_schedules()}.")
+        raise ValueError(
+            f"schedule={schedule!r} needs a newer torch ({torch.__version__} lacks it): use one of {available_schedules()}."
+        )
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches={microbatches!r} must be a positive integer.")
     if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
@@ -67,9 +69,13 @@ def validate_schedule(schedule: str, pipeline_parallel: int, stages_per_rank: in
         multi = [n for n, (_, r, _) in SCHEDULES.items() if r != "one"]
         raise ValueError(f"schedule={schedule!r} runs one stage per rank: set stages_per_rank=1, or use {multi}.")
     if rule == "many" and stages_per_rank < 2:
-        raise ValueError(f"schedule={schedule!r} interleaves several stages per rank: set stages_per_rank >= 2, or use '1f1b'.")
+        raise ValueError(
+            f"schedule={schedule!r} interleaves several stages per rank: set stages_per_rank >= 2, or use '1f1b'."
+        )
     if rule == "two" and stages_per_rank != 2:
-        raise ValueError(f"schedule={schedule!r} is a V schedule with exactly two stages per rank: set stages_per_rank=2.")
+        raise ValueError(
+            f"schedule={schedule!r} is a V schedule with exactly two stages per rank: set stages_per_rank=2."
+        )
     num_stages = pipeline_parallel * stages_per_rank
     if schedule in ("1f1b", "dualpipev") and microbatches < num_stages:
         raise ValueError(
@@ -215,7 +221,9 @@ class PipelineSplit:
         return rows
 
 
-def split_module(module: nn.Module, layers: Sequence[nn.Module], bounds: Partition, local_stages: Sequence[int]) -> tuple[PipelineSplit, list[StageModule]]:
+def split_module(
+    module: nn.Module, layers: Sequence[nn.Module], bounds: Partition, local_stages: Sequence[int]
+) -> tuple[PipelineSplit, list[StageModule]]:
     """Keep only this rank's stages in ``module``; return the split and the local stage modules.
 
     Layers of other stages are replaced in ``module`` by :class:`RemovedLayer`, freeing
@@ -295,7 +303,12 @@ class PipelineRunner:
         # divide the whole .grad after the step -- including gradients accumulated from
         # earlier batches (accumulate_grad_batches), which must not be rescaled.
         self.microbatch_scale = 1.0 / microbatches
-        self.schedule = cls(self.stages[0] if single else self.stages, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False)
+        self.schedule = cls(
+            self.stages[0] if single else self.stages,
+            n_microbatches=microbatches,
+            loss_fn=self._loss,
+            scale_grads=False,
+        )
         self._batch_size: Optional[int] = None
 
     def _loss(self, output: Any, target: Any) -> Tensor:
@@ -317,7 +330,9 @@ class PipelineRunner:
     def _mean_loss(self, losses: list[Tensor], device: torch.device) -> Tensor:
         """Mean micro-batch loss, sent from the last stage to every pipeline rank."""
         if self.has_last:
-            value = torch.stack([loss.detach().float() for loss in losses]).mean() / (self.loss_scale * self.microbatch_scale)
+            value = torch.stack([loss.detach().float() for loss in losses]).mean() / (
+                self.loss_scale * self.microbatch_scale
+            )
             value = value.full_tensor() if hasattr(value, "full_tensor") else value
             value = value.to(device)
         else:
@@ -340,7 +355,12 @@ class PipelineRunner:
         self.loss_scale = loss_scale
         losses: list[Tensor] = []
         args = (inputs,) if self.has_first else ()
-        self.schedule.step(*args, target=targets if self.has_last else None, losses=losses if self.has_last else None, return_outputs=False)
+        self.schedule.step(
+            *args,
+            target=targets if self.has_last else None,
+            losses=losses if self.has_last else None,
+            return_outputs=False,
+        )
         return self._mean_loss(losses, inputs.device)
 
     def eval_step(self, inputs: Tensor, targets: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
@@ -354,7 +374,9 @@ class PipelineRunner:
         target = targets if with_loss else torch.zeros(inputs.shape[0], device=inputs.device)
         try:
             with torch.no_grad():
-                outputs = self.schedule.eval(*args, target=target if self.has_last else None, losses=losses if self.has_last else None)
+                outputs = self.schedule.eval(
+                    *args, target=target if self.has_last else None, losses=losses if self.has_last else None
+                )
         finally:
             self._predicting = False
         loss = self._mean_loss(losses, inputs.device) if with_loss else None

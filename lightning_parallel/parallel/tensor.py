@@ -40,10 +40,9 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable, ContextManager, Optional, Union
 
-import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (

@@ -30,7 +30,14 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL, ParallelLayout, Size, check_size
+from lightning_parallel.layout import (
+    DATA_PARALLEL,
+    PIPELINE_PARALLEL,
+    TENSOR_PARALLEL,
+    ParallelLayout,
+    Size,
+    check_size,
+)
 from lightning_parallel.parallel import gradients
 from lightning_parallel.parallel.partition import METHODS, measure_layer_times, partition_layers
 from lightning_parallel.protocol import require_pipeline_module, split_batch
@@ -107,7 +114,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
         )
         from lightning_parallel.parallel.pipeline import validate_schedule
 
-        for name, value in (("data_parallel_size", data_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
+        for name, value in (
+            ("data_parallel_size", data_parallel_size),
+            ("pipeline_parallel_size", pipeline_parallel_size),
+            ("tensor_parallel_size", tensor_parallel_size),
+        ):
             check_size(name, value)
         if zero_stage not in ZERO_STAGES:
             raise ValueError(
@@ -116,9 +127,13 @@ class HybridParallelStrategy(ModelParallelStrategy):
             )
         partition = _plain(partition)
         if isinstance(partition, str) and partition not in METHODS:
-            raise ValueError(f"Unknown partition {partition!r}: use one of {METHODS} or a list of cut points such as [3, 5].")
+            raise ValueError(
+                f"Unknown partition {partition!r}: use one of {METHODS} or a list of cut points such as [3, 5]."
+            )
         if loss_parallel and tensor_parallel_size == 1:
-            raise ValueError("loss_parallel=True needs tensor_parallel_size > 1 (the vocabulary is sharded over the tensor group).")
+            raise ValueError(
+                "loss_parallel=True needs tensor_parallel_size > 1 (the vocabulary is sharded over the tensor group)."
+            )
         if sequence_parallel and tensor_parallel_size == 1:
             raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")
         pp_known = pipeline_parallel_size if isinstance(pipeline_parallel_size, int) else 1
@@ -140,7 +155,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
     # --- layout ----------------------------------------------------------------------
     def resolve_layout(self, world_size: int) -> ParallelLayout:
         """The data x pipeline x tensor layout for ``world_size`` ranks (no processes needed)."""
-        return ParallelLayout.resolve(world_size, self._data_parallel_size, self._pipeline_parallel_size, self._tensor_parallel_size)
+        return ParallelLayout.resolve(
+            world_size, self._data_parallel_size, self._pipeline_parallel_size, self._tensor_parallel_size
+        )
 
     def startup_rows(self, layout: ParallelLayout) -> dict[str, str]:
         """Strategy rows of the start-up table (see :mod:`lightning_parallel.report`)."""
@@ -154,7 +171,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
             )
         if layout.tensor_parallel_enabled:
             rows["tensor"] = f"sequence_parallel={self.sequence_parallel}, loss_parallel={self.loss_parallel}"
-        rows["data"] = {0: "replicated, gradient all-reduce", 2: "FSDP2: gradients + optimizer state sharded", 3: "FSDP2: parameters, gradients + optimizer state sharded"}[self.zero_stage]
+        rows["data"] = {
+            0: "replicated, gradient all-reduce",
+            2: "FSDP2: gradients + optimizer state sharded",
+            3: "FSDP2: parameters, gradients + optimizer state sharded",
+        }[self.zero_stage]
         rows.update(rank_map_rows(layout))
         return rows
 
@@ -173,7 +194,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
                     f"pipeline_parallel_size={layout.pipeline_parallel} x stages_per_rank={self.stages_per_rank}: lower them."
                 )
         if layout.tensor_parallel_enabled:
-            self._tp_plan = resolve_plan(module, self.plan_overrides, sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
+            self._tp_plan = resolve_plan(
+                module, self.plan_overrides, sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel
+            )
             validate_tensor_parallel(module, self._tp_plan, layout.tensor_parallel)
 
     # --- Lightning lifecycle ---------------------------------------------------------
@@ -216,7 +239,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
             from lightning_parallel.parallel.tensor import apply_tensor_parallel
 
             present = dict(module.named_modules())
-            local_plan = {n: s for n, s in self._tp_plan.items() if n in present and not isinstance(present[n], RemovedLayer)}
+            local_plan = {
+                n: s for n, s in self._tp_plan.items() if n in present and not isinstance(present[n], RemovedLayer)
+            }
             apply_tensor_parallel(module, mesh[TENSOR_PARALLEL], local_plan)
         if self.zero_stage:
             self._fully_shard(module, stages)
@@ -240,12 +265,16 @@ class HybridParallelStrategy(ModelParallelStrategy):
             print_table("lightning_parallel: pipeline split", list(self.pipeline_split.describe().items()))
         return stages, stage_ids
 
-    def _agreed_layer_times(self, module: pl.LightningModule, layers: list[nn.Module], trainer: pl.Trainer) -> list[float]:
+    def _agreed_layer_times(
+        self, module: pl.LightningModule, layers: list[nn.Module], trainer: pl.Trainer
+    ) -> list[float]:
         """Per-layer forward+backward seconds, averaged over all ranks so every rank cuts the same way."""
         try:
             batch = next(iter(trainer.fit_loop._data_source.dataloader()))
         except Exception as error:  # noqa: BLE001 - any failure here means: no sample batch
-            raise ValueError("partition='time' measures layers on a training batch, but none could be loaded: use 'parameters'.") from error
+            raise ValueError(
+                "partition='time' measures layers on a training batch, but none could be loaded: use 'parameters'."
+            ) from error
         inputs, _ = split_batch(module, batch)
         sample = inputs[: max(1, inputs.shape[0] // self.microbatches)].to(self.root_device)
         times = torch.tensor(measure_layer_times(layers, sample), dtype=torch.float64)
@@ -275,7 +304,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
         layout = self.layout
         num_stages = layout.pipeline_parallel * self.stages_per_rank
         coords = layout.coordinates(self.global_rank)
-        last_pp_rank = next(r for r in range(layout.pipeline_parallel) if num_stages - 1 in stage_ids_for_rank(self.schedule, r, layout.pipeline_parallel, self.stages_per_rank))
+        last_pp_rank = next(
+            r
+            for r in range(layout.pipeline_parallel)
+            if num_stages - 1 in stage_ids_for_rank(self.schedule, r, layout.pipeline_parallel, self.stages_per_rank)
+        )
         self._pipeline = PipelineRunner(
             stages,
             stage_ids,
@@ -405,7 +438,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
             # Once per optimizer step, after the last accumulated backward and before
             # Lightning's clipping hook: replicas must agree before the norm is taken.
             if self.zero_stage == 0 and self.layout.data_parallel_enabled:
-                gradients.all_reduce_gradients(self.lightning_module.parameters(), self.device_mesh[DATA_PARALLEL].get_group())
+                gradients.all_reduce_gradients(
+                    self.lightning_module.parameters(), self.device_mesh[DATA_PARALLEL].get_group()
+                )
             return result
 
         return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
@@ -454,7 +489,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if not is_sharded_checkpoint(path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        return load_sharded_checkpoint(path, self.model, optimizers, strict=self.lightning_module.strict_loading, weights_only=weights_only)
+        return load_sharded_checkpoint(
+            path, self.model, optimizers, strict=self.lightning_module.strict_loading, weights_only=weights_only
+        )
 
     @property
     def pipeline_runner(self) -> Any:
@@ -464,4 +501,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description="data x pipeline x tensor parallelism (lightning_parallel)")
+            strategy_registry.register(
+                cls.strategy_name, cls, description="data x pipeline x tensor parallelism (lightning_parallel)"
+            )

@@ -8,12 +8,10 @@ it saves a process launch per comparison.
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_parallel.strategies import HybridParallelStrategy as Hybrid
