@@ -39,17 +39,20 @@ def _local_bytes(tensor) -> int:
     return local.numel() * local.element_size()
 
 
-class _Count:
-    def __init__(self):
-        import lightning.pytorch as pl
+def _count_callback():
+    import lightning.pytorch as pl
 
-        class Counter(pl.Callback):
-            def on_train_end(cb, trainer, module):
-                self.params = sum(_local_bytes(p) for p in module.parameters())
-                self.optim = sum(_local_bytes(v) for opt in trainer.optimizers for state in opt.state.values()
-                                 for v in state.values() if hasattr(v, "numel") and v.ndim > 0)
+    class Counter(pl.Callback):
+        """Counts local parameter and optimizer-state bytes when training ends."""
 
-        self.callback = Counter()
+        params = optim = 0
+
+        def on_train_end(self, trainer, module):
+            self.params = sum(_local_bytes(p) for p in module.parameters())
+            self.optim = sum(_local_bytes(v) for opt in trainer.optimizers for state in opt.state.values()
+                             for v in state.values() if hasattr(v, "numel") and v.ndim > 0)
+
+    return Counter()
 
 
 def _rank(rank: int, world_size: int, layouts: dict, model_kwargs: dict) -> dict:
@@ -69,15 +72,15 @@ def _rank(rank: int, world_size: int, layouts: dict, model_kwargs: dict) -> dict
     out = {}
     for name, sizes in layouts.items():
         pl.seed_everything(0)
-        count = _Count()
+        count = _count_callback()
         strategy = HybridParallelStrategy(**sizes) if world_size > 1 else "auto"
         trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             use_distributed_sampler=False, callbacks=[count.callback], limit_val_batches=0)
+                             use_distributed_sampler=False, callbacks=[count], limit_val_batches=0)
         dp = strategy.resolve_layout(world_size).data_parallel if world_size > 1 else 1
         model = GPT(**model_kwargs, optimizer=partial(torch.optim.AdamW, lr=1e-3))
         trainer.fit(model, datamodule=FixedOrderData(samples, batch_size=8 // dp))
-        out[name] = {"params": count.callback.params, "optim": count.callback.optim}
+        out[name] = {"params": count.params, "optim": count.optim}
     return out
 
 

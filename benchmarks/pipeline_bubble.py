@@ -55,7 +55,7 @@ def _rank(rank: int, world_size: int, schedules: dict, microbatches: int, steps:
     return results
 
 
-def measure(stages: int = 2, microbatches: int = 8, steps: int = 6, width: int = 256, batch: int = 128) -> list[dict]:
+def measure(stages: int = 2, microbatches: int = 8, steps: int = 6, width: int = 512, batch: int = 512) -> list[dict]:
     """Run every schedule and return one row per schedule with measured and theoretical idle fractions.
 
     Args:
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     rows = measure(args.stages, args.microbatches, args.steps, args.width)
