@@ -43,21 +43,38 @@ def startup_rows(
         paths: ``output``, ``logs`` and ``checkpoints`` folders.
         extra: strategy-specific rows (pipeline split, rank map, ...).
     """
-    ref = ""
-    if reference and hparams.rule != "none":
-        ref = f"  (reference: global batch {reference.get('global_batch_size')}, lr {reference.get('lr')}, warm-up {reference.get('warmup_steps')})"
     rows = [
         ("strategy", strategy_name),
         ("world size", f"{layout.world_size} ({num_nodes} node(s) x {layout.world_size // max(num_nodes, 1)} {accelerator} process(es))"),
-        ("layout", f"{layout.describe()}  (data x pipeline x tensor)"),
-        ("micro-batch / device", str(hparams.micro_batch_size)),
-        ("gradient accumulation", str(hparams.accumulate_grad_batches)),
-        ("global batch", f"{hparams.global_batch_size} = {hparams.micro_batch_size} x {hparams.accumulate_grad_batches} x dp{hparams.data_parallel}"),
-        ("learning rate", f"{hparams.lr:.4g}  (scaling rule: {hparams.rule}){ref}"),
-        ("warm-up steps", str(hparams.warmup_steps)),
+        ("layout", f"{layout.describe()}  (data x pipeline x tensor; only data multiplies the batch)"),
     ]
+    rows += scaling_rows(hparams, reference)
     rows += list((extra or {}).items())
     rows += [(f"{name} dir", str(path)) for name, path in paths.items()]
+    return rows
+
+
+def scaling_rows(hparams: EffectiveHparams, reference: Optional[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """Rows that put the effective batch, accumulation, lr and warm-up beside the reference.
+
+    Args:
+        hparams: effective values after rescaling.
+        reference: ``scaling.reference`` (ignored by the ``none`` rule).
+    """
+    h = hparams
+    rows = [("scaling rule", h.rule)]
+    ref = dict(reference or {}) if h.rule != "none" else {}
+    if ref:
+        devices = f" on {ref['devices']} data-parallel device(s)" if ref.get("devices") else ""
+        rows.append(("reference", f"global batch {ref.get('global_batch_size')}, lr {ref.get('lr')}, warm-up {ref.get('warmup_steps')}{devices}"))
+    rows += [
+        ("micro-batch / device", str(h.micro_batch_size)),
+        ("gradient accumulation", str(h.accumulate_grad_batches)),
+        ("global batch", f"{h.global_batch_size} = {h.micro_batch_size} x {h.accumulate_grad_batches} x dp{h.data_parallel}"
+         + (f"  (reference {ref['global_batch_size']})" if ref else "")),
+        ("learning rate", f"{h.lr:.4g}" + (f"  (reference {ref['lr']}, x{h.lr / ref['lr']:.4g})" if ref.get("lr") else "")),
+        ("warm-up steps", str(h.warmup_steps) + (f"  (reference {ref.get('warmup_steps')})" if ref else "")),
+    ]  # fmt: skip
     return rows
 
 

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from lightning_parallel.layout import ParallelLayout
 
 RULES = ("none", "linear", "sqrt", "fixed_global_batch")
 
@@ -54,12 +57,42 @@ class EffectiveHparams:
     warmup_steps: int
 
     def as_dict(self) -> dict:
+        """The fields as a plain dict (for configs, loggers and ``metrics.json``)."""
         return asdict(self)
+
+    def as_reference(self) -> Reference:
+        """This run as a reference point.
+
+        ``fixed_global_batch`` with this reference reproduces the run's global batch, lr and
+        warm-up at any data-parallel size (what a run's saved ``effective.yaml`` offers).
+        """
+        return Reference(self.global_batch_size, self.lr, self.warmup_steps, self.data_parallel)
 
 
 def _check_positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive integer.")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _indivisible_message(global_batch: int, micro_batch_size: int, data_parallel: int) -> str:
+    """Why ``fixed_global_batch`` cannot reach ``global_batch``, and the values that would."""
+    head = (
+        f"fixed_global_batch cannot reach the reference global batch {global_batch} with micro-batch "
+        f"{micro_batch_size} x data-parallel {data_parallel} = {micro_batch_size * data_parallel} per accumulation step."
+    )
+    if global_batch % data_parallel:
+        sizes = [d for d in _divisors(global_batch) if d <= 4 * data_parallel][-6:]
+        return (
+            f"{head} The data-parallel size {data_parallel} does not divide {global_batch}: use a device count "
+            f"(trainer.devices x num_nodes / pipeline / tensor) whose data-parallel size divides it, e.g. {sizes}, "
+            f"or set scaling.reference.global_batch_size to a multiple of {data_parallel}, or use scaling=linear/sqrt."
+        )
+    micro = _divisors(global_batch // data_parallel)[-6:]
+    return f"{head} Use a micro-batch (data.batch_size) such that micro x {data_parallel} divides {global_batch}: {micro}."
 
 
 def rescale(
@@ -106,13 +139,7 @@ def rescale(
     if rule == "fixed_global_batch":
         per_step = micro_batch_size * data_parallel
         if ref_gb % per_step:
-            options = [m for m in range(1, ref_gb + 1) if ref_gb % (m * data_parallel) == 0][:6]
-            raise ValueError(
-                f"fixed_global_batch cannot reach the reference global batch {ref_gb} with micro-batch "
-                f"{micro_batch_size} x data-parallel {data_parallel} = {per_step} per accumulation step. Use a "
-                f"micro-batch (data.batch_size) such that micro x {data_parallel} divides {ref_gb}, e.g. {options}, "
-                f"or a data-parallel size that divides {ref_gb // micro_batch_size if ref_gb % micro_batch_size == 0 else ref_gb}."
-            )
+            raise ValueError(_indivisible_message(ref_gb, micro_batch_size, data_parallel))
         return EffectiveHparams(rule, data_parallel, micro_batch_size, ref_gb // per_step, ref_gb, ref_lr, ref_warmup)
     gb = micro_batch_size * accumulate_grad_batches * data_parallel
     ratio = gb / ref_gb
@@ -120,3 +147,32 @@ def rescale(
     # Same number of warm-up samples: a larger global batch warms up in fewer steps.
     new_warmup = max(0, round(ref_warmup / ratio)) if ref_warmup else 0
     return EffectiveHparams(rule, data_parallel, micro_batch_size, accumulate_grad_batches, gb, new_lr, new_warmup)
+
+
+def rescale_for_layout(
+    rule: str,
+    reference: Reference,
+    layout: ParallelLayout,
+    micro_batch_size: int,
+    accumulate_grad_batches: int = 1,
+    lr: Optional[float] = None,
+    warmup_steps: int = 0,
+) -> EffectiveHparams:
+    """:func:`rescale` for a resolved layout: only its data-parallel size counts.
+
+    Note:
+        All ranks of a pipeline or tensor group work on the same samples, so a
+        ``dp2 x pp2 x tp2`` layout on 8 devices has the global batch of ``dp2`` on 2
+        devices. Passing ``world_size`` instead of ``data_parallel`` is the mistake this
+        function exists to prevent.
+
+    Args:
+        rule: one of ``none``, ``linear``, ``sqrt``, ``fixed_global_batch``.
+        reference: the tuned reference point.
+        layout: the run's layout (``strategy.resolve_layout(devices x num_nodes)``).
+        micro_batch_size: samples per data-parallel rank per forward/backward.
+        accumulate_grad_batches: configured accumulation.
+        lr: configured learning rate.
+        warmup_steps: configured warm-up.
+    """
+    return rescale(rule, reference, layout.data_parallel, micro_batch_size, accumulate_grad_batches, lr, warmup_steps)

@@ -1,10 +1,13 @@
 """The Hydra entry point end to end: one run, and a multirun whose jobs start their own ranks."""
 
+import csv
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +28,18 @@ def test_single_run_prints_tables_and_writes_logs_and_checkpoint(tmp_path):
     assert "lightning_parallel: run" in out and "lightning_parallel: result" in out
     assert "val_loss" in out
     assert list((tmp_path / "run" / "checkpoints").glob("*.ckpt"))
-    assert list((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents.*"))
+    events = list((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents.*"))
+    assert events
+    # The effective hyperparameters reach TensorBoard's HParams tab with the final metrics ...
+    raw = b"".join(e.read_bytes() for e in events)
+    assert b"_hparams_/session_start_info" in raw and b"hp/val_loss" in raw and b"effective/global_batch_size" in raw
+    # ... hparams.yaml, the saved effective config, and metrics.json for sweep summaries.
+    assert "effective" in (tmp_path / "run" / "tensorboard" / "hparams.yaml").read_text()
+    effective = yaml.safe_load((tmp_path / "run" / ".hydra" / "effective.yaml").read_text())
+    assert effective["data"]["batch_size"] == 4 and effective["scaling"]["effective"]["global_batch_size"] == 4
+    assert effective["run"]["reproduce"].startswith("scaling=fixed_global_batch scaling.reference.global_batch_size=4 ")
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["strategy"] == "single" and "val_loss" in metrics["metrics"]
 
 
 def test_multirun_over_device_counts_runs_each_job_in_its_own_folder(tmp_path):
@@ -35,6 +49,11 @@ def test_multirun_over_device_counts_runs_each_job_in_its_own_folder(tmp_path):
     for job in jobs:
         assert list((job / "checkpoints").glob("last*.ckpt")), job
     assert "world size" in out and "2 (1 node(s) x 2" in out
+    # The sweep ends with its summary (lightning_parallel.sweep_summary), one row per job.
+    with open(tmp_path / "sweep" / "summary.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["devices"], r["global_batch_size"], r["status"]) for r in rows] == [("1", "4", "ok"), ("2", "8", "ok")]
+    assert "sweep summary (2 jobs)" in out
 
 
 def test_bad_layout_fails_before_any_process_starts(tmp_path):

@@ -1,0 +1,175 @@
+"""Summarise a Hydra multirun: one row per job, as ``summary.csv`` in the sweep folder and a table.
+
+Each job's rank 0 leaves ``metrics.json`` in its own output folder (the end of
+:func:`lightning_parallel.train.train`); :class:`SweepSummary`, registered under
+``hydra.callbacks`` in ``conf/config.yaml``, collects them when the multirun ends, with
+any sweeper (basic grid, Optuna) and any launcher (local, submitit).
+
+Note:
+    The callback reads files instead of the task functions' return values because the
+    jobs may have run elsewhere (submitit on SLURM) and because a job that died leaves no
+    return value at all: it still gets a row, marked as missing, so a sweep never looks
+    complete when it is not.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
+
+METRICS_FILE = "metrics.json"
+SUMMARY_FILE = "summary.csv"
+
+# (CSV column, table heading); the table shows the columns with a heading.
+COLUMNS: list[tuple[str, Optional[str]]] = [
+    ("job", "job"),
+    ("strategy", "strategy"),
+    ("num_nodes", None),
+    ("devices", "devices"),
+    ("world_size", None),
+    ("layout", "layout"),
+    ("scaling_rule", "rule"),
+    ("micro_batch_size", None),
+    ("accumulate_grad_batches", None),
+    ("global_batch_size", "global batch"),
+    ("lr", "eff. lr"),
+    ("warmup_steps", None),
+    ("val_loss", "val loss"),
+    ("train_loss", None),
+    ("samples_per_sec", "samples/s"),
+    ("tokens_per_sec", "tokens/s"),
+    ("fit_seconds", "fit s"),
+    ("overrides", None),
+    ("status", "status"),
+]
+
+
+def _job_number(path: Path) -> tuple[int, str]:
+    match = re.match(r"(\d+)", path.name)
+    return (int(match.group(1)) if match else 1 << 30, path.name)
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    """The job folders of a sweep: those Hydra wrote a ``.hydra`` folder or a job wrote metrics into."""
+    if not sweep_dir.is_dir():
+        return []
+    jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and ((p / ".hydra").is_dir() or (p / METRICS_FILE).is_file())]
+    return sorted(jobs, key=_job_number)
+
+
+def job_row(job_dir: Path) -> dict[str, Any]:
+    """One summary row from a job folder's ``metrics.json`` (status ``missing`` without one).
+
+    Args:
+        job_dir: the job's output folder.
+    """
+    path = job_dir / METRICS_FILE
+    if not path.is_file():
+        return {"job": job_dir.name, "status": f"missing {METRICS_FILE} (job failed or did not finish)"}
+    data = json.loads(path.read_text())
+    eff, metrics = data.get("effective", {}), data.get("metrics", {})
+    return {
+        "job": job_dir.name,
+        "strategy": data.get("strategy"),
+        "num_nodes": data.get("num_nodes"),
+        "devices": data.get("devices"),
+        "world_size": data.get("world_size"),
+        "layout": data.get("layout"),
+        "scaling_rule": eff.get("rule"),
+        "micro_batch_size": eff.get("micro_batch_size"),
+        "accumulate_grad_batches": eff.get("accumulate_grad_batches"),
+        "global_batch_size": eff.get("global_batch_size"),
+        "lr": eff.get("lr"),
+        "warmup_steps": eff.get("warmup_steps"),
+        "val_loss": metrics.get("val_loss"),
+        "train_loss": metrics.get("train_loss"),
+        "samples_per_sec": metrics.get("throughput/samples_per_sec"),
+        "tokens_per_sec": metrics.get("throughput/tokens_per_sec"),
+        "fit_seconds": metrics.get("time/fit_seconds"),
+        "overrides": data.get("overrides"),
+        "status": "ok",
+    }
+
+
+def summarise(sweep_dir: Path) -> list[dict[str, Any]]:
+    """Rows of every job of the sweep in ``sweep_dir``, written to ``summary.csv`` there.
+
+    Args:
+        sweep_dir: the multirun folder (``hydra.sweep.dir``).
+    """
+    rows = [job_row(job) for job in job_dirs(sweep_dir)]
+    if sweep_dir.is_dir():
+        with open(sweep_dir / SUMMARY_FILE, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=[c for c, _ in COLUMNS])
+            writer.writeheader()
+            writer.writerows(rows)
+    return rows
+
+
+def _cell(row: dict[str, Any], column: str) -> str:
+    value = row.get(column)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if column == "job":
+        # The folder name repeats the overrides; the number is enough beside the other columns.
+        return re.match(r"\d+", value).group(0) if re.match(r"\d+", value) else value
+    if column == "global_batch_size":
+        dp = value // (row["micro_batch_size"] * row["accumulate_grad_batches"])
+        return f"{value} = {row['micro_batch_size']} x {row['accumulate_grad_batches']} x dp{dp}"
+    if column == "lr":
+        return f"{value:.3g}"
+    if column in ("val_loss", "train_loss"):
+        return f"{value:.4f}"
+    if column in ("samples_per_sec", "tokens_per_sec", "fit_seconds"):
+        return f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
+    if column == "devices" and (row.get("num_nodes") or 1) > 1:
+        return f"{row['num_nodes']} x {value}"
+    return str(value)
+
+
+def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
+    """The rich table of a sweep (the CSV has more columns).
+
+    Args:
+        rows: rows from :func:`summarise`.
+        title: the table's title.
+    """
+    table = Table(title=title, title_justify="left")
+    shown = [(column, heading) for column, heading in COLUMNS if heading]
+    for column, heading in shown:
+        table.add_column(heading, justify="right" if column not in ("job", "strategy", "layout", "scaling_rule", "status") else "left")
+    for row in rows:
+        table.add_row(*(_cell(row, column) if row.get("status") == "ok" or column in ("job", "status") else "-" for column, _ in shown))
+    return table
+
+
+class SweepSummary(Callback):
+    """Hydra callback: at the end of a multirun, write ``summary.csv`` and print the summary table.
+
+    Args:
+        console_width: width of the printed table (wide enough for the sweep folder names).
+    """
+
+    def __init__(self, console_width: int = 160) -> None:
+        self.console_width = console_width
+        self._sweep_dir: Optional[Path] = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Resolve the folder now: its ``${now:...}`` must not be read again at a later time.
+        self._sweep_dir = Path(config.hydra.sweep.dir)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = self._sweep_dir or Path(config.hydra.sweep.dir)
+        rows = summarise(sweep_dir)
+        console = Console(width=self.console_width)
+        console.print(summary_table(rows, f"lightning_parallel: sweep summary ({len(rows)} jobs)"))
+        console.print(f"summary: {sweep_dir / SUMMARY_FILE}")
