@@ -193,6 +193,38 @@ class GPT(pl.LightningModule):
             "head.proj": "colwise_gather",
         }
 
+    # --- evaluation (lightning_parallel.callbacks.EvaluationReport) -------------------
+    def evaluation_metrics(self) -> dict[str, Any]:
+        """Fresh torchmetrics, updated with ``(logits, next-byte targets)`` of whole evaluation sets."""
+        from torchmetrics.text import Perplexity
+
+        return {"perplexity": Perplexity()}
+
+    def evaluation_readout(
+        self, predict: Callable[[Any], Tensor], prompt: str = "def main(", new_tokens: int = 64
+    ) -> dict[str, str]:
+        """A greedy continuation of ``prompt``, one forward per new byte.
+
+        Every forward sees a fixed ``(1, seq_len)`` window (the prompt right-padded): the
+        attention is causal, so padding after the last real byte does not change its logits,
+        and one shape is what a pipeline schedule needs.
+
+        Args:
+            predict: ``predict(batch) -> logits`` running under the training strategy.
+            prompt: the text to continue (bytes beyond the context are dropped from the front).
+            new_tokens: bytes to generate.
+        """
+        seq_len = self.hparams.seq_len
+        tokens = list(prompt.encode("utf-8"))[-(seq_len - 1) :]
+        for _ in range(new_tokens):
+            window = tokens[-seq_len:]
+            ids = torch.zeros(1, seq_len, dtype=torch.long)
+            ids[0, : len(window)] = torch.tensor(window)
+            logits = predict((ids, ids))
+            tokens.append(int(logits[0, len(window) - 1].argmax()))
+        text = bytes(tokens).decode("utf-8", errors="replace")
+        return {"sample": repr(text)}
+
     # --- Lightning -------------------------------------------------------------------
     def forward(self, idx: Tensor) -> Tensor:
         x = self.embed(idx)
@@ -217,6 +249,10 @@ class GPT(pl.LightningModule):
         loss = self.pipeline_loss(self(inputs), targets)
         self.log("test_loss", loss, sync_dist=True)
         return loss
+
+    def predict_step(self, batch: Any, batch_idx: int = 0) -> Tensor:
+        idx = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(idx)
 
     def configure_optimizers(self) -> Any:
         decay, no_decay = [], []

@@ -1,5 +1,6 @@
 """Lightning callbacks of the suite."""
 
+from lightning_parallel.callbacks.evaluation import EvaluationReport
 from lightning_parallel.callbacks.throughput import ThroughputReport
 
-__all__ = ["ThroughputReport"]
+__all__ = ["EvaluationReport", "ThroughputReport"]

@@ -1,0 +1,253 @@
+"""A small Vision Transformer written to be split: pipeline stages and tensor shards.
+
+Note:
+    * The model is ``patch_embed -> blocks -> head``; those are the pipeline layers, and the
+      blocks live in an ``nn.ModuleDict`` keyed ``"0".."N-1"`` so parameter names
+      (``blocks.2.attn.q.weight``) do not change with the pipeline split.
+    * Patches are cut with ``F.unfold`` and projected by a ``Linear`` (the same map as a
+      stride-``patch_size`` convolution) so the patch projection is a plain matrix.
+    * The head mean-pools the tokens instead of reading a class token: one tensor in,
+      one out per layer, and no extra token to keep on the first pipeline stage.
+    * Attention reshapes with ``-1`` heads, so a tensor-parallel rank holding a column
+      slice of q/k/v computes its own heads unchanged.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from examples.nlp.model import warmup_cosine
+
+
+class PatchEmbedding(nn.Module):
+    """Cut an image into square patches, project each to ``d_model``, add a learned position.
+
+    Args:
+        image_size: height and width of the (square) input images.
+        patch_size: side of a patch; must divide ``image_size``.
+        in_channels: image channels (1 for grey, 3 for RGB).
+        d_model: token width.
+        dropout: dropout after the position is added.
+    """
+
+    def __init__(self, image_size: int, patch_size: int, in_channels: int, d_model: int, dropout: float) -> None:
+        super().__init__()
+        self.patch_size = patch_size
+        self.proj = nn.Linear(in_channels * patch_size * patch_size, d_model)
+        self.pos = nn.Parameter(torch.zeros(1, (image_size // patch_size) ** 2, d_model))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, images: Tensor) -> Tensor:
+        # (B, C, H, W) -> (B, C*p*p, N) -> (B, N, C*p*p): one row per patch.
+        patches = F.unfold(images, kernel_size=self.patch_size, stride=self.patch_size).transpose(1, 2)
+        return self.drop(self.proj(patches) + self.pos)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head (bidirectional) attention with separate q/k/v projections, shardable by heads."""
+
+    def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.head_dim = d_model // n_head
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
+        self.out = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, tokens, _ = x.shape
+        # -1 instead of n_head: under tensor parallelism a rank holds only its share of heads.
+        q, k, v = (proj(x).view(batch, tokens, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(batch, tokens, -1))
+
+
+class MLP(nn.Module):
+    """Two-layer GELU feed-forward network."""
+
+    def __init__(self, d_model: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.up = nn.Linear(d_model, hidden)
+        self.down = nn.Linear(hidden, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.down(F.gelu(self.up(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer encoder block."""
+
+    def __init__(self, d_model: int, n_head: int, mlp_ratio: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = SelfAttention(d_model, n_head, dropout)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model, mlp_ratio * d_model, dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class ClassifierHead(nn.Module):
+    """Final norm, mean over tokens, projection to class logits."""
+
+    def __init__(self, d_model: int, num_classes: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.proj = nn.Linear(d_model, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(self.norm(x).mean(dim=1))
+
+
+class ViT(pl.LightningModule):
+    """A small Vision Transformer classifier following the suite's module protocol.
+
+    Batches are ``(images, labels)``: images ``(B, C, H, W)`` floats, labels ``(B,)`` class ids.
+
+    Args:
+        image_size: side of the square input images (8 for scikit-learn's digits).
+        patch_size: side of a patch (must divide ``image_size``).
+        in_channels: image channels.
+        num_classes: classes to predict.
+        d_model: token width.
+        n_layer: transformer blocks.
+        n_head: attention heads (must divide ``d_model``).
+        mlp_ratio: MLP hidden width as a multiple of ``d_model``.
+        dropout: dropout probability everywhere.
+        label_smoothing: cross-entropy label smoothing.
+        optimizer: a partial optimizer factory taking parameter groups (Hydra ``_partial_: true``);
+            AdamW(lr=1e-3) when omitted.
+        weight_decay: applied to matrices only (not biases, norms or the position table).
+        warmup_steps: linear warm-up steps of the learning-rate schedule.
+        max_steps: steps of the cosine decay (the Trainer's ``max_steps``); 0 keeps lr flat after warm-up.
+    """
+
+    def __init__(
+        self,
+        image_size: int = 8,
+        patch_size: int = 2,
+        in_channels: int = 1,
+        num_classes: int = 10,
+        d_model: int = 64,
+        n_layer: int = 4,
+        n_head: int = 4,
+        mlp_ratio: int = 2,
+        dropout: float = 0.0,
+        label_smoothing: float = 0.0,
+        optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None,
+        weight_decay: float = 0.05,
+        warmup_steps: int = 0,
+        max_steps: int = 0,
+    ) -> None:
+        super().__init__()
+        if d_model % n_head:
+            raise ValueError(f"n_head={n_head} must divide d_model={d_model}: pick n_head among the divisors of d_model.")
+        if image_size % patch_size:
+            raise ValueError(
+                f"patch_size={patch_size} must divide image_size={image_size}: pick a divisor, or resize the images "
+                "(data.image_size)."
+            )
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=1e-3)
+        self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(d_model, n_head, mlp_ratio, dropout) for i in range(n_layer)})
+        self.head = ClassifierHead(d_model, num_classes)
+        self.apply(self._init_weights)
+        nn.init.normal_(self.patch_embed.pos, std=0.02)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.trunc_normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    # --- module protocol -------------------------------------------------------------
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [self.patch_embed, *self.blocks.values(), self.head]
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(output, target, label_smoothing=self.hparams.label_smoothing)
+
+    def tensor_parallel_plan(self) -> dict[str, Any]:
+        """Megatron-style sharding of each block: q/k/v and MLP-up by columns (heads / hidden
+        units), attention-out and MLP-down by rows (one all-reduce each).
+
+        The patch embedding and the head stay replicated: they are a few thousand parameters
+        and the head's class count (10) would not divide most tensor sizes. ``gather_input``
+        makes the block's input one DTensor shared by q/k/v, so its gradient is reduced once.
+        """
+        return {
+            "blocks.*.attn": "gather_input",
+            "blocks.*.attn.q": "colwise",
+            "blocks.*.attn.k": "colwise",
+            "blocks.*.attn.v": "colwise",
+            "blocks.*.attn.out": "rowwise",
+            "blocks.*.mlp": "gather_input",
+            "blocks.*.mlp.up": "colwise",
+            "blocks.*.mlp.down": "rowwise",
+        }
+
+    # --- evaluation (lightning_parallel.callbacks.EvaluationReport) -------------------
+    def evaluation_metrics(self) -> dict[str, Any]:
+        """Fresh torchmetrics, updated with ``(logits, labels)`` of whole evaluation sets."""
+        from torchmetrics.classification import MulticlassAccuracy
+
+        return {"accuracy": MulticlassAccuracy(num_classes=self.hparams.num_classes, average="micro")}
+
+    # --- Lightning -------------------------------------------------------------------
+    def forward(self, images: Tensor) -> Tensor:
+        x = self.patch_embed(images)
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(x)
+
+    def _step(self, batch: tuple[Tensor, Tensor], name: str) -> Tensor:
+        images, labels = batch
+        logits = self(images)
+        loss = self.pipeline_loss(logits, labels)
+        sync = name != "train"
+        self.log(f"{name}_loss", loss, prog_bar=name != "test", sync_dist=sync)
+        if name != "train":
+            accuracy = (logits.argmax(-1) == labels).float().mean()
+            self.log(f"{name}_accuracy", accuracy, prog_bar=name == "val", sync_dist=sync)
+        return loss
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self._step(batch, "val")
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self._step(batch, "test")
+
+    def predict_step(self, batch: Any, batch_idx: int = 0) -> Tensor:
+        images = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(images)
+
+    def configure_optimizers(self) -> Any:
+        decay, no_decay = [], []
+        for name, param in self.named_parameters():
+            if param.requires_grad:
+                # Matrices decay; biases, norms and the position table do not.
+                (decay if param.ndim >= 2 and not name.endswith("pos") else no_decay).append(param)
+        groups = [
+            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        optimizer = self.optimizer_factory([g for g in groups if g["params"]])
+        schedule = partial(warmup_cosine, warmup_steps=self.hparams.warmup_steps, max_steps=self.hparams.max_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
