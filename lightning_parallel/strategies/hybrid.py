@@ -231,7 +231,20 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     def _parallelize(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
         layout, mesh = self.layout, self.device_mesh
-        stages = None
+        settings = (layout, self.schedule, self.stages_per_rank, self.zero_stage, self.sequence_parallel, self.loss_parallel)
+        applied = getattr(module, "_lightning_parallel_applied", None)
+        if applied is not None:
+            # fit() then test()/predict() on the same module: it is already split and sharded.
+            if applied["settings"] != settings:
+                raise ValueError(
+                    f"This module was already parallelised for {applied['settings'][0].describe()} with other settings; "
+                    "it cannot be re-split. Build a fresh module and load the checkpoint into it (ckpt_path=...)."
+                )
+            self.pipeline_split = applied["split"]
+            if applied["stages"] is not None:
+                self._build_pipeline(module, applied["stages"], applied["stage_ids"])
+            return
+        stages = stage_ids = None
         if layout.pipeline_parallel_enabled:
             stages, stage_ids = self._split_pipeline(module, trainer)
         if layout.tensor_parallel_enabled:
@@ -247,6 +260,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             self._fully_shard(module, stages)
         if stages is not None:
             self._build_pipeline(module, stages, stage_ids)
+        module._lightning_parallel_applied = {"settings": settings, "split": self.pipeline_split, "stages": stages, "stage_ids": stage_ids}
 
     def _split_pipeline(self, module: pl.LightningModule, trainer: pl.Trainer) -> tuple[list[nn.Module], list[int]]:
         from lightning_parallel.parallel.pipeline import split_module, stage_ids_for_rank
@@ -480,12 +494,28 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
         return optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write a sharded DCP folder that appears under ``filepath`` only when every rank has finished."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes with DCP).")
+        from pathlib import Path
+
+        from lightning_parallel.parallel.checkpoint import save_sharded_checkpoint
+
+        path = Path(self.broadcast(str(filepath)))
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        checkpoint["lightning_parallel"] = {"layout": self.layout.shape, "zero_stage": self.zero_stage, "schedule": self.schedule}
+        save_sharded_checkpoint(path, state, checkpoint, self.global_rank == 0, self.barrier)
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         from pathlib import Path
 
-        from lightning_parallel.parallel.checkpoint import is_sharded_checkpoint, load_sharded_checkpoint
+        from lightning_parallel.parallel.checkpoint import is_sharded_checkpoint, load_sharded_checkpoint, resolve_checkpoint
 
-        path = Path(self.broadcast(checkpoint_path))
+        path = resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
         if not is_sharded_checkpoint(path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]

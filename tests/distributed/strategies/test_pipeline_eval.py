@@ -45,3 +45,24 @@ def test_validation_test_and_predict_match_one_process_on_every_rank():
         assert abs(val - ref_val) < 1e-6, rank
         assert abs(test - ref_val) < 1e-6, rank  # same data, same model
         torch.testing.assert_close(pred, ref_pred, rtol=0, atol=1e-6)
+
+
+def _fit_then_test(rank, world_size):
+    torch.manual_seed(0)
+    model = ResidualMLP(width=32, depth=4)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, max_steps=3, limit_val_batches=0,
+                         strategy=PipelineParallelStrategy() if world_size > 1 else "auto")
+
+    class Train(_Data):
+        def train_dataloader(self):
+            return self._loader()
+
+    trainer.fit(model, datamodule=Train())
+    return trainer.test(model, datamodule=_Data(), verbose=False)[0]["test_loss"]
+
+
+def test_fit_then_test_on_the_same_module_reuses_its_split():
+    (reference,) = run_processes(_fit_then_test, 1)
+    for rank, value in enumerate(run_processes(_fit_then_test, 2, timeout=300)):
+        assert abs(value - reference) < 1e-5, rank
