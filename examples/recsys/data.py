@@ -44,7 +44,7 @@ def dense_features(path: Optional[str], num_dense: int) -> int:
     return CRITEO_DENSE if path else int(num_dense)
 
 
-def table_sizes(path: Optional[str], sizes: Sequence[int], criteo_buckets: int) -> list[int]:
+def feature_table_sizes(path: Optional[str], sizes: Sequence[int], criteo_buckets: int) -> list[int]:
     """Embedding rows per categorical feature: ``sizes`` for the synthetic log, 26 tables of
     ``criteo_buckets`` rows for a Criteo TSV. Used by the model config (``model.table_sizes``)."""
     return [int(criteo_buckets)] * CRITEO_SPARSE if path else [int(s) for s in sizes]
@@ -206,8 +206,9 @@ class ClickDataModule(pl.LightningDataModule):
 
     Args:
         path: Criteo-format TSV; ``None`` for the synthetic log.
-        num_dense: dense features of the synthetic log.
-        table_sizes: cardinalities ``[users, items, segments, categories, context...]`` of the synthetic log.
+        num_dense: dense features of the synthetic log (a Criteo TSV has 13).
+        table_sizes: cardinalities ``[users, items, segments, categories, context...]`` of the
+            synthetic log (a Criteo TSV has 26 tables of ``criteo_buckets`` rows).
         criteo_buckets: rows per categorical table for a Criteo TSV.
         train_samples: synthetic training impressions.
         val_samples: synthetic validation impressions.
@@ -239,19 +240,13 @@ class ClickDataModule(pl.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
+        # The sizes the model is built with (Criteo: 13 dense, 26 hashed tables), as plain
+        # ints: Lightning refuses hparams that the model and the data module both hold
+        # with different values or types.
+        num_dense = dense_features(path, num_dense)
+        table_sizes = feature_table_sizes(path, table_sizes, criteo_buckets)
         self.save_hyperparameters()
         self.logs: Optional[dict[str, ClickLog]] = None
-
-    @property
-    def table_sizes(self) -> list[int]:
-        """Rows of each categorical feature's embedding table."""
-        hp = self.hparams
-        return table_sizes(hp.path, hp.table_sizes, hp.criteo_buckets)
-
-    @property
-    def num_dense(self) -> int:
-        """Dense features per sample."""
-        return dense_features(self.hparams.path, self.hparams.num_dense)
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.logs is not None:

@@ -151,14 +151,14 @@ def reference_cases(cases: dict[str, dict]) -> dict[str, dict]:
     by recipe and steps: the reference does not depend on the layout."""
     out: dict[str, dict] = {}
     for kwargs in cases.values():
-        key = f"{kwargs['recipe']}/{kwargs.get('global_batch', 16)}/{kwargs.get("steps", 10)}"
+        key = f"{kwargs['recipe']}/{kwargs.get('global_batch', 16)}/{kwargs.get('steps', 10)}"
         out[key] = {**kwargs, "strategy": "single", "overrides": (), "data_parallel": 1}
     return out
 
 
 def reference_key(kwargs: dict) -> str:
     """The :func:`reference_cases` key of a case."""
-    return f"{kwargs['recipe']}/{kwargs.get('global_batch', 16)}/{kwargs.get("steps", 10)}"
+    return f"{kwargs['recipe']}/{kwargs.get('global_batch', 16)}/{kwargs.get('steps', 10)}"
 
 
 def falling(losses: list[float], window: int = 3) -> bool:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from examples.recsys.data import ClickDataModule, auc, read_criteo_tsv, synthetic_click_log, table_sizes
+from examples.recsys.data import ClickDataModule, auc, feature_table_sizes, read_criteo_tsv, synthetic_click_log
 from examples.recsys.model import DLRM
 from lightning_parallel.parallel.tensor import resolve_plan
 
@@ -94,7 +94,7 @@ def test_criteo_tsv_is_parsed_and_hashed(tmp_path):
     assert log.dense[0, :3].tolist() == pytest.approx([np.log1p(3), 0.0, 0.0])
     assert log.sparse[0, 0] == int("68fd1e64", 16) % 100 + 1 and log.sparse[0, 1] == 0
     assert log.sparse[1, 0] == 11 and (log.sparse < 101).all()
-    assert table_sizes(str(path), TABLES, 101) == [101] * 26
+    assert feature_table_sizes(str(path), TABLES, 101) == [101] * 26
     (tmp_path / "bad.tsv").write_text("1\t2\t3\n")
     with pytest.raises(ValueError, match="a Criteo line has 40"):
         read_criteo_tsv(str(tmp_path / "bad.tsv"), 101)
