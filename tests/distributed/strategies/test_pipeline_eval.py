@@ -51,7 +51,7 @@ def _fit_then_test(rank, world_size):
     torch.manual_seed(0)
     model = ResidualMLP(width=32, depth=4)
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, max_steps=3, limit_val_batches=0,
+                         enable_checkpointing=False, max_steps=3, limit_val_batches=0, use_distributed_sampler=False,
                          strategy=PipelineParallelStrategy() if world_size > 1 else "auto")
 
     class Train(_Data):
