@@ -1,6 +1,7 @@
 """Lightning callbacks of the suite."""
 
 from lightning_parallel.callbacks.evaluation import EvaluationReport
+from lightning_parallel.callbacks.nonfinite import NonFiniteGuard
 from lightning_parallel.callbacks.throughput import ThroughputReport
 
-__all__ = ["EvaluationReport", "ThroughputReport"]
+__all__ = ["EvaluationReport", "NonFiniteGuard", "ThroughputReport"]
