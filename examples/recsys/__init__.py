@@ -3,4 +3,4 @@
 from examples.recsys.data import ClickDataModule
 from examples.recsys.model import DLRM
 
-__all__ = ["ClickDataModule", "DLRM"]
+__all__ = ["DLRM", "ClickDataModule"]

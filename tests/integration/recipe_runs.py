@@ -58,7 +58,7 @@ def tiny_model(recipe: str) -> pl.LightningModule:
 
 def tiny_dataset(recipe: str, samples: int = SAMPLES) -> Any:
     """A fixed slice of the recipe's own training data."""
-    from torch.utils.data import Subset, TensorDataset
+    from torch.utils.data import Subset
 
     if recipe == "vit":
         from examples.vision.data import ImageDataModule

@@ -45,7 +45,7 @@ def test_digits_split_is_fixed_stratified_and_disjoint():
         share = np.bincount(labels[name], minlength=10) / len(labels[name])
         assert np.abs(share - 0.1).max() < 0.03
     a, b, c = stratified_split(np.repeat(np.arange(10), 50), 0.1, 0.2, seed=0)
-    a2, b2, c2 = stratified_split(np.repeat(np.arange(10), 50), 0.1, 0.2, seed=0)
+    a2, _, c2 = stratified_split(np.repeat(np.arange(10), 50), 0.1, 0.2, seed=0)
     assert (a == a2).all() and (c == c2).all() and not set(a) & set(b) | set(a) & set(c) | set(b) & set(c)
     images, _ = data.splits["train"].tensors
     assert images.shape[1:] == (1, 8, 8) and 0.0 <= images.min() and images.max() <= 1.0
