@@ -217,6 +217,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     model = instantiate(cfg.model)
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    if not logger:
+        # LearningRateMonitor refuses to run without a logger; `logger=none` should just work.
+        callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.LearningRateMonitor)]
     trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks)
     if logger:
         logger.log_hyperparams({"layout": layout.describe(), **OmegaConf.to_container(cfg, resolve=True)})

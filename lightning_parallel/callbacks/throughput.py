@@ -58,6 +58,12 @@ class ThroughputReport(pl.Callback):
         self.batch_times.append(elapsed)
         inputs, _ = split_batch(pl_module, batch)
         dp = data_parallel_size(trainer.strategy)
+        if not isinstance(inputs, torch.Tensor):  # several inputs (e.g. dense + sparse features): count the first
+            leaves = [leaf for leaf in torch.utils._pytree.tree_leaves(inputs) if isinstance(leaf, torch.Tensor)]
+            inputs = leaves[0] if leaves else None
+            if inputs is not None:
+                self.samples += inputs.shape[0] * dp
+            inputs = None
         if isinstance(inputs, torch.Tensor):
             self.samples += inputs.shape[0] * dp
             if not inputs.is_floating_point():
