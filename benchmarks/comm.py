@@ -68,7 +68,8 @@ class CommCounter:
         @functools.wraps(fn)
         def counted(*args: Any, **kwargs: Any) -> Any:
             if self._depth == 0:
-                first = args[0] if args else kwargs.get("tensor", kwargs.get("object_list"))
+                # DeepSpeed passes keywords (output_tensor=, input_tensor=): take the input then.
+                first = args[0] if args else kwargs.get("tensor", kwargs.get("input_tensor", kwargs.get("object_list")))
                 self.record(name, 0 if name == "barrier" else _nbytes(first))
             self._depth += 1
             try:
