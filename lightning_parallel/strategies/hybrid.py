@@ -217,10 +217,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         self.accelerator.setup(trainer)
         _materialize_distributed_module(self.model, self.root_device)
-        self.model_to_device()
-        self._parallelize(self.lightning_module, trainer)
+        # Precision and device first: converting or moving after parallelisation would
+        # replace the DTensor parameters and drop the gradient-placement hooks TP puts on them.
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self._parallelize(self.lightning_module, trainer)
         self._install_gradient_clipping()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
