@@ -106,7 +106,7 @@ def _train(args, cwd, timeout=600):
     return result.stdout + result.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_sweep_over_strategies_finishes_with_its_summary(tmp_path):
     # The command: every strategy on 2 devices, each job in its own folder, then the table.
     out = _train(["-m", *TINY, "strategy=ddp,deepspeed_zero2,pipeline,tensor", "trainer.devices=2",
@@ -125,7 +125,7 @@ def test_sweep_over_strategies_finishes_with_its_summary(tmp_path):
     assert "sweep summary (4 jobs)" in out
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_optuna_search_runs_trials_and_reports_the_best(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e '.[sweep]'")
     # data.batch_size is searched: a command-line value would pin it.
