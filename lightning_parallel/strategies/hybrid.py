@@ -14,6 +14,7 @@ Note:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -43,6 +44,34 @@ from lightning_parallel.parallel.partition import METHODS, measure_layer_times, 
 from lightning_parallel.protocol import require_pipeline_module, split_batch
 
 ZERO_STAGES = (0, 2, 3)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within the strategy's timeout: another rank died or stalled."""
+
+
+def _names_timeouts(phase: str) -> Any:
+    """Re-raise a collective timeout inside ``phase`` naming this rank, its mesh position and the step.
+
+    Note:
+        gloo reports only "Timed out waiting 5000ms for recv operation"; the collective sits
+        deep inside DTensor, FSDP2 or the pipeline schedule, so the strategy adds what it
+        knows: which rank, where in the mesh, which phase of which step.
+    """
+
+    def wrap(method: Any) -> Any:
+        @functools.wraps(method)
+        def run(self: "HybridParallelStrategy", *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except RuntimeError as error:
+                if isinstance(error, CollectiveTimeout) or "timed out" not in str(error).lower():
+                    raise
+                raise CollectiveTimeout(self._timeout_message(phase, error)) from error
+
+        return run
+
+    return wrap
 
 
 def _plain(value: Any) -> Any:
@@ -365,6 +394,17 @@ class HybridParallelStrategy(ModelParallelStrategy):
             return {**output, "loss": output["loss"].full_tensor()}
         return output
 
+    def _timeout_message(self, phase: str, error: BaseException) -> str:
+        coords = self.layout.coordinates(self.global_rank) if self.layout else None
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        step = trainer.global_step if trainer is not None else "?"
+        return (
+            f"Rank {self.global_rank} (data, pipeline, tensor = {tuple(coords) if coords else '?'}) timed out after "
+            f"{self._timeout} in {phase} at global step {step}: another rank died or stalled. Check the other ranks' logs; "
+            f"raise strategy.timeout if a step legitimately takes longer. ({error})"
+        )
+
+    @_names_timeouts("training_step (pipeline schedule send/recv, tensor-parallel and FSDP collectives)")
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             with self._loss_context():
@@ -392,6 +432,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         module.log(name, loss, prog_bar=name == "val_loss", sync_dist=True)
         return loss
 
+    @_names_timeouts("validation_step (pipelined or sharded forward)")
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             with self._loss_context():
@@ -447,6 +488,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             param.grad = grad if param.grad is None else param.grad + grad
         self._parked = []
 
+    @_names_timeouts("optimizer_step (data-parallel gradient all-reduce, global-norm clipping, non-finite check)")
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         def closure_then_average() -> Any:
             result = closure()
