@@ -2,7 +2,6 @@
 
 import os
 import pickle
-from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
