@@ -22,7 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from examples.nlp.model import warmup_cosine
+from examples.nlp.model import (
+    MLP,  # the same feed-forward block as the GPT recipe
+    warmup_cosine,
+)
 
 
 class PatchEmbedding(nn.Module):
@@ -68,19 +71,6 @@ class SelfAttention(nn.Module):
         q, k, v = (proj(x).view(batch, tokens, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         return self.out(y.transpose(1, 2).reshape(batch, tokens, -1))
-
-
-class MLP(nn.Module):
-    """Two-layer GELU feed-forward network."""
-
-    def __init__(self, d_model: int, hidden: int, dropout: float) -> None:
-        super().__init__()
-        self.up = nn.Linear(d_model, hidden)
-        self.down = nn.Linear(hidden, d_model)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.drop(self.down(F.gelu(self.up(x))))
 
 
 class Block(nn.Module):
