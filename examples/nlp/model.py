@@ -5,8 +5,8 @@ Note:
       ``embed -> blocks -> head``: those are the pipeline layers, and their parameter names
       (``blocks.3.attn.q.weight``) do not change with the pipeline split, which is what
       lets a checkpoint load under another layout.
-    * Attention reshapes with ``-1`` heads, so a tensor-parallel rank holding a column
-      slice of q/k/v computes its own heads unchanged.
+    * The blocks are :class:`examples.transformer.Block` with causal attention (the ViT
+      recipe uses the same block, bidirectional).
     * The LM head is not tied to the token embedding: tying would couple the first and
       last pipeline stages.
 """
@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from examples.transformer import Block
+
 
 class TokenEmbedding(nn.Module):
     """Token plus learned position embedding, then dropout."""
@@ -35,57 +37,6 @@ class TokenEmbedding(nn.Module):
     def forward(self, idx: Tensor) -> Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
         return self.drop(self.tok(idx) + self.pos(positions))
-
-
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal attention with separate q/k/v projections (shardable by heads)."""
-
-    def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
-        super().__init__()
-        self.n_head = n_head
-        self.head_dim = d_model // n_head
-        self.q = nn.Linear(d_model, d_model)
-        self.k = nn.Linear(d_model, d_model)
-        self.v = nn.Linear(d_model, d_model)
-        self.out = nn.Linear(d_model, d_model)
-        self.dropout = dropout
-        self.resid_drop = nn.Dropout(dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        batch, seq, _ = x.shape
-        # -1 instead of n_head: under tensor parallelism a rank holds only its share of heads.
-        q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(batch, seq, -1)
-        return self.resid_drop(self.out(y))
-
-
-class MLP(nn.Module):
-    """Two-layer GELU feed-forward network."""
-
-    def __init__(self, d_model: int, hidden: int, dropout: float) -> None:
-        super().__init__()
-        self.up = nn.Linear(d_model, hidden)
-        self.down = nn.Linear(hidden, d_model)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.drop(self.down(F.gelu(self.up(x))))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block."""
-
-    def __init__(self, d_model: int, n_head: int, mlp_ratio: int, dropout: float) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_head, dropout)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model, mlp_ratio * d_model, dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
 
 
 class LMHead(nn.Module):
@@ -148,7 +99,9 @@ class GPT(pl.LightningModule):
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=3e-3)
         self.embed = TokenEmbedding(vocab_size, d_model, seq_len, dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(d_model, n_head, mlp_ratio, dropout) for i in range(n_layer)})
+        self.blocks = nn.ModuleDict(
+            {str(i): Block(d_model, n_head, mlp_ratio, dropout, causal=True) for i in range(n_layer)}
+        )
         self.head = LMHead(d_model, vocab_size)
         self.apply(self._init_weights)
 

@@ -8,8 +8,8 @@ Note:
       stride-``patch_size`` convolution) so the patch projection is a plain matrix.
     * The head mean-pools the tokens instead of reading a class token: one tensor in,
       one out per layer, and no extra token to keep on the first pipeline stage.
-    * Attention reshapes with ``-1`` heads, so a tensor-parallel rank holding a column
-      slice of q/k/v computes its own heads unchanged.
+    * The blocks are :class:`examples.transformer.Block` with bidirectional attention (the
+      GPT recipe uses the same block, causal).
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from examples.nlp.model import (
-    MLP,  # the same feed-forward block as the GPT recipe
-    warmup_cosine,
-)
+from examples.nlp.model import warmup_cosine
+from examples.transformer import Block
 
 
 class PatchEmbedding(nn.Module):
@@ -50,42 +48,6 @@ class PatchEmbedding(nn.Module):
         # (B, C, H, W) -> (B, C*p*p, N) -> (B, N, C*p*p): one row per patch.
         patches = F.unfold(images, kernel_size=self.patch_size, stride=self.patch_size).transpose(1, 2)
         return self.drop(self.proj(patches) + self.pos)
-
-
-class SelfAttention(nn.Module):
-    """Multi-head (bidirectional) attention with separate q/k/v projections, shardable by heads."""
-
-    def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
-        super().__init__()
-        self.n_head = n_head
-        self.head_dim = d_model // n_head
-        self.q = nn.Linear(d_model, d_model)
-        self.k = nn.Linear(d_model, d_model)
-        self.v = nn.Linear(d_model, d_model)
-        self.out = nn.Linear(d_model, d_model)
-        self.dropout = dropout
-
-    def forward(self, x: Tensor) -> Tensor:
-        batch, tokens, _ = x.shape
-        # -1 instead of n_head: under tensor parallelism a rank holds only its share of heads.
-        q, k, v = (proj(x).view(batch, tokens, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
-        return self.out(y.transpose(1, 2).reshape(batch, tokens, -1))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer encoder block."""
-
-    def __init__(self, d_model: int, n_head: int, mlp_ratio: int, dropout: float) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d_model)
-        self.attn = SelfAttention(d_model, n_head, dropout)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model, mlp_ratio * d_model, dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
 
 
 class ClassifierHead(nn.Module):
@@ -151,7 +113,9 @@ class ViT(pl.LightningModule):
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=1e-3)
         self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(d_model, n_head, mlp_ratio, dropout) for i in range(n_layer)})
+        self.blocks = nn.ModuleDict(
+            {str(i): Block(d_model, n_head, mlp_ratio, dropout, causal=False) for i in range(n_layer)}
+        )
         self.head = ClassifierHead(d_model, num_classes)
         self.apply(self._init_weights)
         nn.init.normal_(self.patch_embed.pos, std=0.02)

@@ -1,0 +1,91 @@
+"""The pre-norm transformer block shared by the GPT (causal) and ViT (bidirectional) recipes.
+
+Note:
+    * Submodule names (``ln1``, ``attn.q/k/v/out``, ``ln2``, ``mlp.up/down``) are what the
+      recipes' ``tensor_parallel_plan()`` globs and checkpoints name; keep them stable.
+    * Attention reshapes with ``-1`` heads, so a tensor-parallel rank holding a column
+      slice of q/k/v computes its own heads unchanged.
+    * Submodules are created in a fixed order (norm, attention, norm, MLP; q, k, v, out):
+      the default initialisers draw from the global generator in that order, so changing
+      it would change every recipe's initial weights.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with separate q/k/v projections (shardable by heads).
+
+    Args:
+        d_model: token width.
+        n_head: attention heads (must divide ``d_model``).
+        dropout: dropout on the attention weights and on the output.
+        causal: mask attention to earlier positions (a decoder) or not (an encoder).
+    """
+
+    def __init__(self, d_model: int, n_head: int, dropout: float, causal: bool) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.head_dim = d_model // n_head
+        self.causal = causal
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
+        self.out = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq, _ = x.shape
+        # -1 instead of n_head: under tensor parallelism a rank holds only its share of heads.
+        q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0
+        )
+        y = y.transpose(1, 2).reshape(batch, seq, -1)
+        return self.resid_drop(self.out(y))
+
+
+class MLP(nn.Module):
+    """Two-layer GELU feed-forward network.
+
+    Args:
+        d_model: token width (input and output).
+        hidden: hidden width.
+        dropout: dropout on the output.
+    """
+
+    def __init__(self, d_model: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.up = nn.Linear(d_model, hidden)
+        self.down = nn.Linear(hidden, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.down(F.gelu(self.up(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``.
+
+    Args:
+        d_model: token width.
+        n_head: attention heads (must divide ``d_model``).
+        mlp_ratio: MLP hidden width as a multiple of ``d_model``.
+        dropout: dropout probability in attention and MLP.
+        causal: causal attention (decoder) or bidirectional (encoder).
+    """
+
+    def __init__(self, d_model: int, n_head: int, mlp_ratio: int, dropout: float, causal: bool) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = SelfAttention(d_model, n_head, dropout, causal)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model, mlp_ratio * d_model, dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
