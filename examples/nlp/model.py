@@ -13,7 +13,6 @@ Note:
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from examples.optimization import weight_decay_groups, with_warmup_cosine
 from examples.transformer import Block
 
 
@@ -49,16 +49,6 @@ class LMHead(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.proj(self.norm(x))
-
-
-def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_ratio: float = 0.1) -> float:
-    """Learning-rate multiplier: linear warm-up, then cosine decay to ``min_ratio``."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if max_steps <= warmup_steps:
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / (max_steps - warmup_steps))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 class GPT(pl.LightningModule):
@@ -208,17 +198,6 @@ class GPT(pl.LightningModule):
         return self(idx)
 
     def configure_optimizers(self) -> Any:
-        decay, no_decay = [], []
-        for name, param in self.named_parameters():
-            if not param.requires_grad:
-                continue
-            # Matrices of Linear layers decay; biases, norms and embedding tables do not.
-            (decay if param.ndim >= 2 and "embed" not in name else no_decay).append(param)
-        groups = [
-            {"params": decay, "weight_decay": self.hparams.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        optimizer = self.optimizer_factory([g for g in groups if g["params"]])
-        schedule = partial(warmup_cosine, warmup_steps=self.hparams.warmup_steps, max_steps=self.hparams.max_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        # Matrices of Linear layers decay; biases, norms and embedding tables do not.
+        groups = weight_decay_groups(self, self.hparams.weight_decay, exempt=lambda name: "embed" in name)
+        return with_warmup_cosine(self.optimizer_factory(groups), self.hparams.warmup_steps, self.hparams.max_steps)

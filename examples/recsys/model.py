@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from examples.nlp.model import warmup_cosine
+from examples.optimization import weight_decay_groups, with_warmup_cosine
 
 
 def mlp(widths: Sequence[int], last_activation: bool) -> nn.Sequential:
@@ -149,13 +149,5 @@ class DLRM(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         # Tables and MLP matrices decay (it keeps rarely seen rows from overfitting); biases do not.
-        decay = [p for p in self.parameters() if p.requires_grad and p.ndim >= 2]
-        no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim < 2]
-        groups = [
-            {"params": decay, "weight_decay": self.hparams.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        optimizer = self.optimizer_factory([g for g in groups if g["params"]])
-        schedule = partial(warmup_cosine, warmup_steps=self.hparams.warmup_steps, max_steps=self.hparams.max_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        groups = weight_decay_groups(self, self.hparams.weight_decay)
+        return with_warmup_cosine(self.optimizer_factory(groups), self.hparams.warmup_steps, self.hparams.max_steps)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from examples.nlp.model import warmup_cosine
+from examples.optimization import weight_decay_groups, with_warmup_cosine
 from examples.transformer import Block
 
 
@@ -192,16 +192,6 @@ class ViT(pl.LightningModule):
         return self(images)
 
     def configure_optimizers(self) -> Any:
-        decay, no_decay = [], []
-        for name, param in self.named_parameters():
-            if param.requires_grad:
-                # Matrices decay; biases, norms and the position table do not.
-                (decay if param.ndim >= 2 and not name.endswith("pos") else no_decay).append(param)
-        groups = [
-            {"params": decay, "weight_decay": self.hparams.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        optimizer = self.optimizer_factory([g for g in groups if g["params"]])
-        schedule = partial(warmup_cosine, warmup_steps=self.hparams.warmup_steps, max_steps=self.hparams.max_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        # Matrices decay; biases, norms and the position table do not.
+        groups = weight_decay_groups(self, self.hparams.weight_decay, exempt=lambda name: name.endswith("pos"))
+        return with_warmup_cosine(self.optimizer_factory(groups), self.hparams.warmup_steps, self.hparams.max_steps)
