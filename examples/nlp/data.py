@@ -11,17 +11,18 @@ from __future__ import annotations
 import math
 import sysconfig
 from pathlib import Path
-from typing import Optional
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_parallel.resumable_loader import resumable_loader
+
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".csv", ".html", ".c", ".h", ".yaml", ".toml"}
 
 
-def _corpus_files(path: Optional[str]) -> list[Path]:
+def _corpus_files(path: str | None) -> list[Path]:
     root = Path(path).expanduser() if path else Path(sysconfig.get_paths()["stdlib"])
     if not root.exists():
         raise ValueError(f"data.path={str(root)!r} does not exist: point it at a text file or a folder of text files.")
@@ -37,7 +38,7 @@ def _corpus_files(path: Optional[str]) -> list[Path]:
     return files
 
 
-def load_corpus(path: Optional[str], max_bytes: int, val_every: int) -> tuple[Tensor, Tensor]:
+def load_corpus(path: str | None, max_bytes: int, val_every: int) -> tuple[Tensor, Tensor]:
     """Read the corpus as bytes and split it by file: every ``val_every``-th file is validation.
 
     Splitting by whole files (not by a cut of one long string) keeps the two splits from the
@@ -59,7 +60,7 @@ def load_corpus(path: Optional[str], max_bytes: int, val_every: int) -> tuple[Te
         joined = b"".join(train)
         cut = int(len(joined) * (1 - 1 / val_every))
         train, val = [joined[:cut]], [joined[cut:]]
-    as_tensor = lambda parts: torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8).long()  # noqa: E731
+    as_tensor = lambda parts: torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8).long()
     return as_tensor(train), as_tensor(val)
 
 
@@ -94,7 +95,7 @@ class TextDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        path: Optional[str] = None,
+        path: str | None = None,
         seq_len: int = 128,
         batch_size: int = 16,
         max_bytes: int = 4_000_000,
@@ -104,10 +105,10 @@ class TextDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.train_data: Optional[Tensor] = None
-        self.val_data: Optional[Tensor] = None
+        self.train_data: Tensor | None = None
+        self.val_data: Tensor | None = None
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         if self.train_data is None:
             self.train_data, self.val_data = load_corpus(self.hparams.path, self.hparams.max_bytes, self.hparams.val_every)
 
@@ -120,11 +121,11 @@ class TextDataModule(pl.LightningDataModule):
         return float(-log_p[self.val_data].mean())
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
+        # Lightning checkpoints this loader's position: a mid-epoch resume neither repeats nor skips a sample.
+        return resumable_loader(
             ByteWindows(self.train_data, self.hparams.seq_len),
             batch_size=self.hparams.batch_size,
-            shuffle=True,
-            drop_last=True,  # equal batches: pipeline micro-batching needs them
+            trainer=self.trainer,
             num_workers=self.hparams.num_workers,
         )
 

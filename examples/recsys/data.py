@@ -23,20 +23,22 @@ Batches are ``(dense float32 (B, D), sparse int64 (B, S), label int64 (B,))``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_parallel.resumable_loader import resumable_loader
+
 CRITEO_DENSE = 13
 CRITEO_SPARSE = 26
 
 
-def dense_features(path: Optional[str], num_dense: int) -> int:
+def dense_features(path: str | None, num_dense: int) -> int:
     """Dense features per sample: ``num_dense`` for the synthetic log, 13 for a Criteo TSV.
 
     Used by the model config (``model.num_dense``) so model and data always agree.
@@ -44,7 +46,7 @@ def dense_features(path: Optional[str], num_dense: int) -> int:
     return CRITEO_DENSE if path else int(num_dense)
 
 
-def feature_table_sizes(path: Optional[str], sizes: Sequence[int], criteo_buckets: int) -> list[int]:
+def feature_table_sizes(path: str | None, sizes: Sequence[int], criteo_buckets: int) -> list[int]:
     """Embedding rows per categorical feature: ``sizes`` for the synthetic log, 26 tables of
     ``criteo_buckets`` rows for a Criteo TSV. Used by the model config (``model.table_sizes``)."""
     return [int(criteo_buckets)] * CRITEO_SPARSE if path else [int(s) for s in sizes]
@@ -83,7 +85,7 @@ class ClickLog:
     dense: np.ndarray
     sparse: np.ndarray
     labels: np.ndarray
-    probability: Optional[np.ndarray] = None
+    probability: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -155,7 +157,7 @@ def synthetic_click_log(
     return logs
 
 
-def read_criteo_tsv(path: str, buckets: int, max_rows: Optional[int] = None) -> ClickLog:
+def read_criteo_tsv(path: str, buckets: int, max_rows: int | None = None) -> ClickLog:
     """Read a Criteo-format TSV: ``label``, 13 integers, 26 hex categories per line (tab-separated).
 
     Args:
@@ -224,7 +226,7 @@ class ClickDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        path: Optional[str] = None,
+        path: str | None = None,
         num_dense: int = 4,
         table_sizes: Sequence[int] = (4096, 2048, 32, 32, 24),
         criteo_buckets: int = 32768,
@@ -235,7 +237,7 @@ class ClickDataModule(pl.LightningDataModule):
         seed: int = 0,
         val_fraction: float = 0.05,
         test_fraction: float = 0.1,
-        max_rows: Optional[int] = None,
+        max_rows: int | None = None,
         batch_size: int = 512,
         num_workers: int = 0,
     ) -> None:
@@ -246,9 +248,9 @@ class ClickDataModule(pl.LightningDataModule):
         num_dense = dense_features(path, num_dense)
         table_sizes = feature_table_sizes(path, table_sizes, criteo_buckets)
         self.save_hyperparameters()
-        self.logs: Optional[dict[str, ClickLog]] = None
+        self.logs: dict[str, ClickLog] | None = None
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         if self.logs is not None:
             return
         hp = self.hparams
@@ -276,11 +278,11 @@ class ClickDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self.setup()
-        return DataLoader(
+        # Lightning checkpoints this loader's position: a mid-epoch resume neither repeats nor skips a sample.
+        return resumable_loader(
             self.logs["train"].dataset(),
             batch_size=self.hparams.batch_size,
-            shuffle=True,
-            drop_last=True,  # equal batches: pipeline micro-batching and fixed shapes need them
+            trainer=self.trainer,
             num_workers=self.hparams.num_workers,
         )
 

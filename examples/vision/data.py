@@ -17,13 +17,14 @@ Note:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from lightning_parallel.resumable_loader import resumable_loader
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 
@@ -144,7 +145,7 @@ class ImageDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        path: Optional[str] = None,
+        path: str | None = None,
         image_size: int = 8,
         channels: int = 1,
         num_classes: int = 10,
@@ -162,10 +163,10 @@ class ImageDataModule(pl.LightningDataModule):
                 f"{channels}), or set data.path to an image folder."
             )
         self.save_hyperparameters()
-        self.splits: Optional[dict[str, TensorDataset]] = None
+        self.splits: dict[str, TensorDataset] | None = None
         self.classes: list[str] = []
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         if self.splits is not None:
             return
         hp = self.hparams
@@ -190,11 +191,11 @@ class ImageDataModule(pl.LightningDataModule):
         return ShiftedImages(images, labels, self.hparams.max_shift if augment else 0)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
+        # Lightning checkpoints this loader's position: a mid-epoch resume neither repeats nor skips a sample.
+        return resumable_loader(
             self.train_dataset(),
             batch_size=self.hparams.batch_size,
-            shuffle=True,
-            drop_last=True,  # equal batches: pipeline micro-batching needs them
+            trainer=self.trainer,
             num_workers=self.hparams.num_workers,
         )
 

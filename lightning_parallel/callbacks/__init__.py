@@ -1,7 +1,8 @@
 """Lightning callbacks of the suite."""
 
 from lightning_parallel.callbacks.evaluation import EvaluationReport
+from lightning_parallel.callbacks.exact_resume import ExactDataResume
 from lightning_parallel.callbacks.nonfinite import NonFiniteGuard
 from lightning_parallel.callbacks.throughput import ThroughputReport
 
-__all__ = ["EvaluationReport", "NonFiniteGuard", "ThroughputReport"]
+__all__ = ["EvaluationReport", "ExactDataResume", "NonFiniteGuard", "ThroughputReport"]

@@ -559,6 +559,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         from lightning_parallel.parallel.checkpoint import is_sharded_checkpoint, load_sharded_checkpoint, resolve_checkpoint
 
         path = resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
+        if not path.exists():
+            raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist: check ckpt_path (ModelCheckpoint names files by its filename=).")
         if not is_sharded_checkpoint(path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]

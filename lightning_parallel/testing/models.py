@@ -11,14 +11,17 @@ Note:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_parallel.resumable_loader import resumable_loader
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": partial(torch.optim.SGD, lr=0.05, momentum=0.9),
@@ -57,7 +60,7 @@ class ResidualMLP(pl.LightningModule):
         self,
         width: int = 32,
         depth: int = 4,
-        hidden: Optional[int] = None,
+        hidden: int | None = None,
         optimizer: Any = "sgd",
         seed: int = 0,
     ) -> None:
@@ -124,6 +127,5 @@ class FixedOrderData(pl.LightningDataModule):
         self.dataset, self.batch_size = dataset, batch_size
 
     def train_dataloader(self) -> DataLoader:
-        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
-        sampler = DistributedSampler(self.dataset, shuffle=False, drop_last=True, **kwargs)
-        return DataLoader(self.dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True)
+        # Checkpoints carry this loader's position, so mid-epoch resumes are exact.
+        return resumable_loader(self.dataset, self.batch_size, trainer=self.trainer, shuffle=False)
