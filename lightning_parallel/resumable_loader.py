@@ -10,7 +10,13 @@ state, so a restarted job reshuffles the epoch differently (seen here: every bat
 resume differed). :func:`resumable_loader` therefore shards and shuffles itself with
 torchdata's ``StatefulDistributedSampler``: its order is a pure function of (seed, epoch,
 data-parallel rank), Lightning sets the epoch and leaves an existing ``DistributedSampler``
-alone, and the sampler's count of samples served is checkpointed.
+alone, and the sampler's count of samples served is checkpointed. Lightning writes the
+position of rank 0 only; it holds for every rank because all data-parallel ranks serve the same
+number of equal batches (``drop_last``) from their own shard.
+
+Checkpoints written at the very end of an epoch need
+:class:`~lightning_parallel.callbacks.ExactDataResume` as well (Lightning 2.6 restores them
+into the next epoch).
 """
 
 from __future__ import annotations
