@@ -22,11 +22,15 @@ into the next epoch).
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+# torchdata 0.11 calls torch.set_vital on every loader; torch 2.13 deprecated it. Nothing to act on.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
 def resumable_loader(
