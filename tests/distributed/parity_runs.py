@@ -6,8 +6,8 @@ from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 
-from lightning_parallel.testing import LossHistory
-from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
+from lightning_parallel.testing.fit import fit_recording_losses
+from lightning_parallel.testing.models import ResidualMLP, regression_dataset
 
 SAMPLES = 256
 
@@ -67,25 +67,11 @@ def fit_losses(
     model = model_factory() if model_factory else ResidualMLP(width=32, depth=4, optimizer=optimizer)
     if callable(strategy) and not isinstance(strategy, (str, pl.strategies.Strategy)):
         strategy = strategy()
-    history = LossHistory()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=[history],
-        **trainer_kwargs,
-    )
     samples = regression_dataset(SAMPLES, 32) if dataset == "regression" else text_dataset(SAMPLES, 16)
-    data = FixedOrderData(samples, batch_size=global_batch // data_parallel)
-    trainer.fit(model, datamodule=data)
-    assert len(history.losses) == steps * accumulate
-    return history.losses
+    batch_size = global_batch // data_parallel
+    losses = fit_recording_losses(model, strategy, world_size, samples, batch_size, steps, **trainer_kwargs)
+    assert len(losses) == steps * accumulate
+    return losses
 
 
 def fit_cases(rank: int, world_size: int, cases: dict[str, dict]) -> dict[str, list[float]]:

@@ -14,8 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_parallel.testing import LossHistory
-from lightning_parallel.testing.models import FixedOrderData
+from lightning_parallel.testing.fit import fit_recording_losses
 
 SAMPLES = 32  # 2 batches of 16, each seen 5 times in 10 steps: the loss falls reliably
 TINY_TABLES = (64, 32, 8, 8, 8)  # users, items, segments, categories, hour: all divisible by 2 and 4
@@ -118,26 +117,13 @@ def fit_recipe(
     """
     pl.seed_everything(0)
     model = tiny_model(recipe)
-    history = LossHistory()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy_from_conf(strategy, overrides),
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        limit_val_batches=0,
-        callbacks=[history],
-    )
-    data = FixedOrderData(tiny_dataset(recipe), batch_size=global_batch // data_parallel)
+    built, samples = strategy_from_conf(strategy, overrides), tiny_dataset(recipe)
     try:
-        trainer.fit(model, datamodule=data)
+        losses = fit_recording_losses(model, built, world_size, samples, global_batch // data_parallel, steps,
+                                      limit_val_batches=0)
     except ValueError as error:
         return {"error": str(error)}
-    return {"losses": history.losses, "embedding_bytes": embedding_bytes(model)}
+    return {"losses": losses, "embedding_bytes": embedding_bytes(model)}
 
 
 def fit_recipe_cases(rank: int, world_size: int, cases: dict[str, dict]) -> dict[str, dict[str, Any]]:
@@ -151,8 +137,7 @@ def reference_cases(cases: dict[str, dict]) -> dict[str, dict]:
     by recipe and steps: the reference does not depend on the layout."""
     out: dict[str, dict] = {}
     for kwargs in cases.values():
-        key = f"{kwargs['recipe']}/{kwargs.get('global_batch', 16)}/{kwargs.get('steps', 10)}"
-        out[key] = {**kwargs, "strategy": "single", "overrides": (), "data_parallel": 1}
+        out[reference_key(kwargs)] = {**kwargs, "strategy": "single", "overrides": (), "data_parallel": 1}
     return out
 
 
