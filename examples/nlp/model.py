@@ -13,8 +13,9 @@ Note:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -78,7 +79,7 @@ class GPT(pl.LightningModule):
         n_head: int = 4,
         mlp_ratio: int = 4,
         dropout: float = 0.0,
-        optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None,
+        optimizer: Callable[..., torch.optim.Optimizer] | None = None,
         weight_decay: float = 0.1,
         warmup_steps: int = 0,
         max_steps: int = 0,

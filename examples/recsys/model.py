@@ -18,8 +18,10 @@ Note:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Callable, Optional, Sequence
+from itertools import pairwise
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -32,7 +34,7 @@ from examples.optimization import weight_decay_groups, with_warmup_cosine
 def mlp(widths: Sequence[int], last_activation: bool) -> nn.Sequential:
     """Linear layers of the given widths with ReLU between them (and after the last if asked)."""
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+    for i, (a, b) in enumerate(pairwise(widths)):
         layers.append(nn.Linear(a, b))
         if last_activation or i < len(widths) - 2:
             layers.append(nn.ReLU())
@@ -79,7 +81,7 @@ class DLRM(pl.LightningModule):
         embedding_dim: int = 16,
         bottom_widths: Sequence[int] = (64,),
         top_widths: Sequence[int] = (64, 32),
-        optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None,
+        optimizer: Callable[..., torch.optim.Optimizer] | None = None,
         weight_decay: float = 0.1,
         warmup_steps: int = 0,
         max_steps: int = 0,

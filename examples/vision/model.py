@@ -14,8 +14,9 @@ Note:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -97,7 +98,7 @@ class ViT(pl.LightningModule):
         mlp_ratio: int = 2,
         dropout: float = 0.0,
         label_smoothing: float = 0.0,
-        optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None,
+        optimizer: Callable[..., torch.optim.Optimizer] | None = None,
         weight_decay: float = 0.05,
         warmup_steps: int = 0,
         max_steps: int = 0,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 
@@ -31,7 +32,8 @@ def tiny_gpt(**overrides):
     from examples.nlp.model import GPT
 
     torch.manual_seed(0)
-    kwargs = dict(seq_len=16, d_model=32, n_layer=2, n_head=4, optimizer=partial(torch.optim.AdamW, lr=1e-2), warmup_steps=0)
+    kwargs = {"seq_len": 16, "d_model": 32, "n_layer": 2, "n_head": 4, "optimizer": partial(torch.optim.AdamW, lr=1e-2),
+              "warmup_steps": 0}
     return GPT(**{**kwargs, **overrides})
 
 
@@ -43,8 +45,8 @@ def fit_losses(
     data_parallel: int,
     steps: int = 10,
     optimizer: str = "sgd",
-    trainer_kwargs: Optional[dict] = None,
-    model_factory: Optional[Callable[[], pl.LightningModule]] = None,
+    trainer_kwargs: dict | None = None,
+    model_factory: Callable[[], pl.LightningModule] | None = None,
     dataset: str = "regression",
 ) -> list[float]:
     """Fit ``steps`` optimizer steps of a tiny model; return the global-batch loss of every batch.
