@@ -32,7 +32,12 @@ def consolidate(checkpoint: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from lightning_parallel.parallel.checkpoint import SafeFileSystemReader, SafeLoadPlanner, is_sharded_checkpoint, resolve_checkpoint
+    from lightning_parallel.parallel.checkpoint import (
+        SafeFileSystemReader,
+        SafeLoadPlanner,
+        is_sharded_checkpoint,
+        resolve_checkpoint,
+    )
 
     checkpoint = resolve_checkpoint(Path(checkpoint))
     if not is_sharded_checkpoint(checkpoint):

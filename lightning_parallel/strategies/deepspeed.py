@@ -45,8 +45,6 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from torch.nn import Module
-from torch.optim import Optimizer
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
@@ -56,6 +54,8 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.nn import Module
+from torch.optim import Optimizer
 
 ZERO_STAGES = (0, 1, 2, 3)
 # Lowest ZeRO stage for each kind of offload (DeepSpeed's documented support).

@@ -556,7 +556,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         from pathlib import Path
 
-        from lightning_parallel.parallel.checkpoint import is_sharded_checkpoint, load_sharded_checkpoint, resolve_checkpoint
+        from lightning_parallel.parallel.checkpoint import (
+            is_sharded_checkpoint,
+            load_sharded_checkpoint,
+            resolve_checkpoint,
+        )
 
         path = resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
         if not path.exists():

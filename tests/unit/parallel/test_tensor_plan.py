@@ -12,7 +12,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from examples.nlp.model import GPT
-from lightning_parallel.parallel.tensor import STYLE_NAMES, loss_parallel_context, resolve_plan, validate_tensor_parallel
+from lightning_parallel.parallel.tensor import (
+    STYLE_NAMES,
+    loss_parallel_context,
+    resolve_plan,
+    validate_tensor_parallel,
+)
 from lightning_parallel.testing.models import ResidualMLP
 
 
