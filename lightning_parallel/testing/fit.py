@@ -1,4 +1,5 @@
-"""Fit a model for a few steps on CPU and return the loss of every batch: the body of a parity run."""
+"""Quiet Trainers for tests, and fitting a model for a few steps while recording the loss of every batch
+(the body of a parity run)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,35 @@ import lightning.pytorch as pl
 
 from lightning_parallel.testing.models import FixedOrderData
 from lightning_parallel.testing.parity import LossHistory
+
+
+def quiet_trainer(
+    devices: int, strategy: Any, steps: int, callbacks: list, accelerator: str = "cpu", **trainer_kwargs: Any
+) -> pl.Trainer:
+    """A Trainer that writes nothing (no logger, checkpoints, progress bar or model summary) and leaves
+    the data order to the data module (Lightning's distributed sampler off).
+
+    Args:
+        devices: processes (the harness's world size) or devices.
+        strategy: a strategy object or a registered name.
+        steps: optimizer steps (``max_steps``).
+        callbacks: the Trainer's callbacks (e.g. a :class:`LossHistory`).
+        accelerator: ``"cpu"`` (gloo) or ``"cuda"``.
+        **trainer_kwargs: further Trainer arguments (``precision``, ``accumulate_grad_batches``, clipping, ...).
+    """
+    return pl.Trainer(
+        accelerator=accelerator,
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
+        **trainer_kwargs,
+    )
 
 
 def fit_recording_losses(
@@ -40,18 +70,6 @@ def fit_recording_losses(
         ``steps * accumulate_grad_batches`` of them), the same list on every rank.
     """
     history = LossHistory()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=[history],
-        **trainer_kwargs,
-    )
+    trainer = quiet_trainer(devices, strategy, steps, [history], **trainer_kwargs)
     trainer.fit(model, datamodule=FixedOrderData(dataset, batch_size=batch_size))
     return history.losses

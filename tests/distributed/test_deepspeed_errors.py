@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 
-import lightning.pytorch as pl
 import pytest
 
 from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
 from lightning_parallel.testing import LossHistory, run_processes
+from lightning_parallel.testing.fit import quiet_trainer
 from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
 
 pytestmark = pytest.mark.slow
@@ -28,19 +28,7 @@ def _fit_expecting_errors(rank: int, world_size: int) -> dict[str, tuple[str, st
     out = {}
     for name, (config, trainer_kwargs) in CASES.items():
         history = LossHistory()
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=world_size,
-            strategy=DeepSpeedDataParallelStrategy(stage=2, config=config),
-            max_steps=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-            callbacks=[history],
-            **trainer_kwargs,
-        )
+        trainer = quiet_trainer(world_size, DeepSpeedDataParallelStrategy(stage=2, config=config), 2, [history], **trainer_kwargs)
         try:
             trainer.fit(ResidualMLP(), datamodule=FixedOrderData(regression_dataset(64, 32), batch_size=16))
             out[name] = ("no error", "", len(history.losses))

@@ -13,6 +13,7 @@ import torch
 
 from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
 from lightning_parallel.testing import LossHistory, run_processes
+from lightning_parallel.testing.fit import quiet_trainer
 from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
 
 pytestmark = [
@@ -29,19 +30,7 @@ def _fit(rank: int, world_size: int, stage, precision: str, root: str) -> dict[s
     pl.seed_everything(0)
     strategy = "auto" if stage is None else DeepSpeedDataParallelStrategy(stage=stage)
     history = LossHistory()
-    trainer = pl.Trainer(
-        accelerator="cuda",
-        devices=1,
-        strategy=strategy,
-        precision=precision,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=[history],
-    )
+    trainer = quiet_trainer(1, strategy, STEPS, [history], accelerator="cuda", precision=precision)
     trainer.fit(ResidualMLP(optimizer="adamw"), datamodule=FixedOrderData(regression_dataset(256, 32), BATCH))
     result: dict[str, object] = {"losses": history.losses}
     if stage is not None:
