@@ -52,8 +52,9 @@ def _fit(root, callbacks, ckpt_path=None, max_steps=STEPS, seed=0):
     pl.seed_everything(0)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=HybridParallelStrategy(), max_steps=max_steps, max_epochs=-1,
-        limit_train_batches=BATCHES_PER_EPOCH, limit_val_batches=1, num_sanity_val_steps=0, logger=False, default_root_dir=root / "other",
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        limit_train_batches=BATCHES_PER_EPOCH, limit_val_batches=1, val_check_interval=2, num_sanity_val_steps=0,
+        logger=False, default_root_dir=root / "other", enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,
         callbacks=[history, record, *callbacks],
     )  # fmt: skip
     trainer.fit(ResidualMLP(optimizer="adamw", seed=seed), datamodule=ShuffledData(), ckpt_path=ckpt_path)
@@ -74,7 +75,8 @@ def _resume_cases(rank, world_size, root, with_fix):
         "mid-epoch (step 3)": ("step3.ckpt", 3),
         "epoch's last batch (step 4)": ("step4.ckpt", 4),
         "epoch's last batch (step 8)": ("step8.ckpt", 8),
-        "validation end (step 4)": ("val4.ckpt", 4),
+        "validation end, mid-epoch (step 2)": ("val2.ckpt", 2),
+        "validation end, epoch end (step 4)": ("val4.ckpt", 4),
         "after fit stopped (step 8)": ("stopped.ckpt", 8),
     }
     results = {}
