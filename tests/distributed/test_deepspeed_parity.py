@@ -127,10 +127,9 @@ def _resume_run(rank: int, world_size: int, stage: int, root: str) -> dict[str, 
     """Uninterrupted 2 epochs vs. 1 epoch + checkpoint + resume; then consolidate the final checkpoint.
 
     Note:
-        The checkpoint is written by ModelCheckpoint at the end of epoch 0, where Lightning
-        resumes cleanly. A checkpoint taken mid-epoch would restart that epoch's data from
-        its first batch (the loader is not resumable), and one taken by save_checkpoint
-        after max_steps stopped at an epoch end replays a batch (see FACTS.md).
+        The checkpoint is written by ModelCheckpoint at the end of epoch 0. Mid-epoch and
+        the other epoch-end checkpoints resume exactly with the suite's resumable loader and
+        ExactDataResume (tests/distributed/callbacks/test_exact_resume.py).
     """
     from lightning.pytorch.callbacks import ModelCheckpoint
 

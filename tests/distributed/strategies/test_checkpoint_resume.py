@@ -40,8 +40,9 @@ def _resume_run(rank, world_size, strategy, root):
     """Two epochs straight vs. one epoch, a checkpoint at its end, and a resume into a differently seeded model.
 
     Note:
-        ModelCheckpoint saves at the end of epoch 0, where Lightning resumes cleanly (a
-        mid-epoch checkpoint restarts the epoch's data: the loader is not resumable).
+        ModelCheckpoint saves at the end of epoch 0. Mid-epoch and the other epoch-end
+        checkpoints (step-based, validation end, after fit) are proven exact, data order
+        included, in tests/distributed/callbacks/test_exact_resume.py.
     """
     full = LossHistory()
     _fit(world_size, strategy, full, 2, [])
