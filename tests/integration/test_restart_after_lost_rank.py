@@ -32,7 +32,7 @@ def _torchrun(run_dir: Path, extra: list[str]) -> subprocess.CompletedProcess:
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         "-m", "lightning_parallel.train", *RUN, *extra,
-        "+callbacks.record._target_=tests.integration.faults.RecordBatches", f"+callbacks.record.folder={run_dir / 'batches'}",
+        "+callbacks.record._target_=lightning_parallel.testing.BatchHistory", f"+callbacks.record.folder={run_dir / 'batches'}",
         f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     # pytorch#135712: torchrun's c10d rendezvous shares its TCPStore with the workers' process

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from lightning_parallel.callbacks import ExactDataResume
 from lightning_parallel.resumable_loader import resumable_loader
 from lightning_parallel.strategies import HybridParallelStrategy
-from lightning_parallel.testing import LossHistory, max_abs_difference, run_processes
+from lightning_parallel.testing import BatchHistory, LossHistory, max_abs_difference, run_processes
 from lightning_parallel.testing.models import ResidualMLP, regression_dataset
 
 pytestmark = pytest.mark.slow
@@ -37,18 +37,8 @@ class ShuffledData(pl.LightningDataModule):
         return DataLoader(self.dataset, batch_size=PER_RANK_BATCH)
 
 
-class BatchRecord(pl.Callback):
-    """(global step, sum of the inputs) per training batch: which samples each step trained on."""
-
-    def __init__(self) -> None:
-        self.batches: list[tuple[int, float]] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.batches.append((trainer.global_step, round(float(batch[0].double().sum()), 6)))
-
-
 def _fit(root, callbacks, ckpt_path=None, max_steps=STEPS, seed=0):
-    history, record = LossHistory(), BatchRecord()
+    history, record = LossHistory(), BatchHistory()
     pl.seed_everything(0)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=HybridParallelStrategy(), max_steps=max_steps, max_epochs=-1,
