@@ -5,10 +5,14 @@ coordinates. Everything else asks it, so a change of placement happens in one pl
 
 Note:
     Ranks are placed tensor-innermost, then pipeline, then data (row-major over the mesh
-    shape ``(data, pipeline, tensor)``), as Megatron-LM and torchtitan do: the tensor
-    group, which talks on every layer, is a run of contiguous ranks (one node's NVLink
-    island on a GPU cluster); pipeline neighbours come next; the data-parallel group,
-    which talks once per step, spans the widest distance.
+    shape ``(data, pipeline, tensor)``). Tensor innermost is what Megatron-LM (order
+    ``tp-cp-ep-dp-pp``) and torchtitan (mesh ``pp, dp_replicate, dp_shard, cp, tp``) do: the
+    tensor group, which talks on every layer, is a run of contiguous ranks (one node's
+    NVLink island on a GPU cluster). Both put the *pipeline* outermost; here the data axis
+    is, so that one pipeline's stages sit next to each other (one node at small scale) and
+    the data-parallel group, which talks once per step, spans the widest distance. The
+    axis names ``data_parallel``/``tensor_parallel`` are Lightning ModelParallelStrategy's,
+    so its ``distributed_sampler_kwargs`` and ``configure_model`` idioms work unchanged.
 """
 
 from __future__ import annotations

@@ -1,58 +1,36 @@
-"""The contract between a recipe's LightningModule and this suite's strategies.
+"""The contract between a LightningModule and this suite's strategies (duck-typed: no base class).
 
 A module that implements these methods trains unchanged under Lightning's own
 single-device and DDP strategies (they simply ignore them) and under every strategy of
 this suite, which use them to split the model:
 
-* ``pipeline_layers()`` -- the ordered blocks a pipeline cuts into stages;
-* ``pipeline_loss(output, target)`` -- the loss the last pipeline stage computes;
-* ``pipeline_split_batch(batch)`` -- how a batch splits into model input and target;
-* ``tensor_parallel_plan()`` -- which submodules tensor parallelism shards, and how.
+* ``pipeline_layers()`` -- the ordered blocks a pipeline cuts into stages. They must be
+  submodules of the module such that ``layers[-1](...layers[1](layers[0](inputs)))``
+  equals ``module(inputs)``, where ``inputs`` is the first element of
+  ``pipeline_split_batch(batch)``; each layer takes one tensor and returns one tensor.
+  Keep the layers in containers whose names do not depend on the layout (``blocks.0``,
+  ``blocks.1``): checkpoint keys are those names, which is what lets a checkpoint load
+  under another layout.
+* ``pipeline_loss(output, target)`` -- the scalar *mean* loss of one (micro)batch, so that
+  the mean over equal micro-batches is the loss of the whole batch.
+* ``pipeline_split_batch(batch)`` -- how a batch splits into model input and target
+  (default: an ``(inputs, targets)`` pair).
+* ``tensor_parallel_plan()`` -- submodule names (fnmatch globs such as ``"blocks.*.mlp.up"``
+  allowed) mapped to a torch ``ParallelStyle`` or a style name of
+  :data:`lightning_parallel.parallel.tensor.STYLE_NAMES`. Reshape activations with ``-1``
+  for the sharded dimension (``view(B, T, -1, head_dim)``) so a rank can hold a slice of
+  the heads.
 
-Recipes import only this module from the suite (never ``strategies`` or ``parallel``).
+The recipes under ``examples/`` implement these methods without importing anything from
+the suite but :mod:`lightning_parallel.resumable_loader` (never ``strategies`` or
+``parallel``), so they also run under Lightning's own strategies.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-from torch import Tensor, nn
-
-
-@runtime_checkable
-class PipelineModule(Protocol):
-    """A module whose ``forward`` is a chain of layers that a pipeline can cut.
-
-    Requirements a strategy relies on:
-
-    * ``pipeline_layers()`` returns submodules of the module, in order, such that
-      ``layers[-1](...layers[1](layers[0](inputs)))`` equals ``module(inputs)`` where
-      ``inputs`` is the first element of ``pipeline_split_batch(batch)``. Each layer takes
-      one tensor and returns one tensor. Keep the layers in containers whose names do not
-      depend on the layout (for example ``blocks.0``, ``blocks.1``): checkpoint keys are
-      those names, which is what lets a checkpoint load under another layout.
-    * ``pipeline_loss(output, target)`` returns the scalar *mean* loss of one (micro)batch,
-      so that the mean over equal micro-batches is the loss of the whole batch.
-    """
-
-    def pipeline_layers(self) -> list[nn.Module]: ...
-
-    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor: ...
-
-
-@runtime_checkable
-class TensorParallelModule(Protocol):
-    """A module that declares how tensor parallelism shards it.
-
-    ``tensor_parallel_plan()`` maps submodule names (fnmatch globs such as
-    ``"blocks.*.mlp.up"`` allowed) to a torch ``ParallelStyle``
-    (``ColwiseParallel()``, ``RowwiseParallel()``, ...) or a style name understood by the
-    suite (``"colwise"``, ``"rowwise"``, ...). Reshape activations with ``-1`` for the
-    sharded dimension (``view(B, T, -1, head_dim)``) so that a rank can hold a slice of
-    the heads.
-    """
-
-    def tensor_parallel_plan(self) -> dict[str, Any]: ...
+from torch import nn
 
 
 def split_batch(module: nn.Module, batch: Any) -> tuple[Any, Any]:
@@ -84,13 +62,4 @@ def require_pipeline_module(module: nn.Module) -> None:
         raise ValueError(
             f"{type(module).__name__} cannot be split into pipeline stages: it lacks {', '.join(missing)}. "
             "Implement the module protocol (see lightning_parallel/protocol.py and the README)."
-        )
-
-
-def require_tensor_parallel_module(module: nn.Module) -> None:
-    """Raise a ``ValueError`` if ``module`` declares no tensor-parallel plan."""
-    if not callable(getattr(module, "tensor_parallel_plan", None)):
-        raise ValueError(
-            f"{type(module).__name__} has no tensor_parallel_plan(): define it (submodule name -> ParallelStyle) "
-            "or pass plan= to the strategy."
         )

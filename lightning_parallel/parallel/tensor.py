@@ -232,9 +232,14 @@ def resolve_plan(
             style = _to_style(name, submodule, merged[name][1], sequence_parallel, loss_parallel)
             if style is not None:
                 plan[name] = style
+    _check_gathered_inputs(merged, plan)
+    return plan
+
+
+def _check_gathered_inputs(merged: Mapping[str, tuple[str, PlanValue]], plan: Mapping[str, ParallelStyle]) -> None:
+    """A gathered input is a DTensor: a plain layer reading it fails deep in the forward
+    ("mixed torch.Tensor and DTensor"), so say here what is wrong."""
     for name, (_, value) in merged.items():
-        # A gathered input is a DTensor: a plain layer reading it fails deep in the forward
-        # ("mixed torch.Tensor and DTensor"), so say here what is wrong.
         if value == "gather_input" and not any(
             inner.startswith(f"{name}.") and isinstance(style, ColwiseParallel) for inner, style in plan.items()
         ):
@@ -242,11 +247,6 @@ def resolve_plan(
                 f"{name!r} has 'gather_input' but no column-sharded submodule to read its input: remove the "
                 f"'gather_input' entry along with the sharding inside {name!r}, or shard its input projections colwise."
             )
-    return plan
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _sharded_dimensions(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[tuple[str, int]]:
@@ -298,9 +298,9 @@ def validate_tensor_parallel(module: nn.Module, plan: Mapping[str, ParallelStyle
     dims = _sharded_dimensions(module, plan)
     bad = [(desc, size) for desc, size in dims if size % tensor_parallel_size]
     if bad:
-        common = set(_divisors(dims[0][1]))
+        common = {d for d in range(1, dims[0][1] + 1) if dims[0][1] % d == 0}
         for _, size in dims[1:]:
-            common &= set(_divisors(size))
+            common &= {d for d in range(1, size + 1) if size % d == 0}
         # Heads first (the usual culprit), then one example per distinct kind and size:
         # every layer of a stack repeats the same dimension.
         bad.sort(key=lambda item: " heads" not in item[0])
@@ -329,12 +329,10 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[
         plan: the output of :func:`resolve_plan` for the full model.
 
     Returns:
-        ``module`` (parameters of the planned submodules become DTensors). Unchanged when
-        the mesh has one rank.
+        ``module`` (planned submodules hold DTensor parameters); unchanged on a mesh of one rank.
 
     Raises:
-        ValueError: ``tp_mesh`` is not one-dimensional, or its size does not divide a
-            sharded dimension of the submodules present.
+        ValueError: ``tp_mesh`` is not 1-D, or its size does not divide a sharded dimension.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(

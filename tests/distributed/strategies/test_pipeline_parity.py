@@ -18,8 +18,8 @@ EXTRA = {"accumulate": {"accumulate_grad_batches": 2}, "clip": {"gradient_clip_v
 class SumLossPipeline(PipelineParallelStrategy):
     """A deliberately broken pipeline: micro-batch gradients are summed, not averaged."""
 
-    def _build_pipeline(self, module, stages, stage_ids):
-        super()._build_pipeline(module, stages, stage_ids)
+    def setup(self, trainer):
+        super().setup(trainer)
         self.pipeline_runner.microbatch_scale = 1.0
 
 

@@ -5,6 +5,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_parallel  # noqa: F401 - registers the strategies
 from examples.nlp.model import GPT
+from lightning_parallel.parallel.compose import check_module
 from lightning_parallel.strategies import HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
 from lightning_parallel.testing.models import ResidualMLP
 
@@ -42,7 +43,7 @@ def test_invalid_layouts_for_a_model_raise_naming_the_fix(world, kwargs, model, 
               "gpt3heads": lambda: GPT(d_model=24, n_layer=2, n_head=3, seq_len=16)}[model]()
     strategy = HybridParallelStrategy(**kwargs)
     with pytest.raises(ValueError, match=message):
-        strategy._check_module(module, strategy.resolve_layout(world))
+        check_module(module, strategy.resolve_layout(world), strategy.options)
 
 
 def test_presets_are_the_hybrid_strategy_with_sizes_of_one():

@@ -1,0 +1,214 @@
+"""The only door to private or undocumented parts of Lightning, torch and DeepSpeed.
+
+Every use of another package's private name (or of an internal with no documented
+contract) goes through this module, with a one-line reason. ``tests/unit/test_compat.py``
+asserts that each touch point still exists, with the signature relied on, in the installed
+versions, so an upgrade fails in one named test instead of deep inside a training run.
+
+Supported versions (``pyproject.toml`` pins the same ranges; CI installs inside them):
+lightning 2.5-2.6, torch 2.6-2.14, deepspeed >= 0.16 (checked with 0.19.8).
+
+Touch points, by package:
+
+* Lightning: :func:`materialize_distributed_module`, :func:`optimizers_to_device`,
+  :func:`set_module_device_mesh`, :func:`init_model_parallel_process_group`,
+  :data:`DDPForwardRedirection`, :func:`set_forward_redirection`,
+  :data:`DEEPSPEED_STRATEGY_OVERRIDES` (private hooks the DeepSpeed strategy overrides),
+  :func:`auto_select_batch_size`, :func:`init_deepspeed_distributed`,
+  :func:`remove_module_hooks`, :func:`fit_loop_train_dataloader`, and the loop
+  state-dict layout of :func:`epoch_end_loop_progress` / :func:`drop_loader_position`.
+* torch: :func:`dcp_set_element`, :func:`dcp_metadata_path`, :func:`load_planner_target`.
+* DeepSpeed: :func:`zero_merge_trainable_params`, :func:`zero3_param_coordinator`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
+from torch import nn
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+# --- Lightning ---------------------------------------------------------------------------
+
+
+def materialize_distributed_module(module: nn.Module, device: torch.device) -> None:
+    """Materialise meta-device parameters (``configure_model`` under ``empty_init``) on ``device``.
+
+    Why private: Lightning's ModelParallelStrategy does exactly this in ``setup``; the
+    suite's strategies replace that ``setup`` and must materialise the same way.
+    """
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
+    _materialize_distributed_module(module, device)
+
+
+def optimizers_to_device(optimizers: Any, device: torch.device) -> None:
+    """Move optimizer state to ``device`` (Lightning's own helper, used by every built-in strategy's ``setup``)."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
+
+
+def set_module_device_mesh(module: pl.LightningModule, mesh: DeviceMesh) -> None:
+    """Make ``module.device_mesh`` return ``mesh`` (read in ``configure_model``).
+
+    Why private: ``LightningModule.device_mesh`` has no setter; Lightning's
+    ModelParallelStrategy assigns ``_device_mesh`` the same way.
+    """
+    module._device_mesh = mesh
+
+
+def init_model_parallel_process_group(strategy: Any) -> None:
+    """Join the default process group as ModelParallelStrategy does (cluster env, ranks, backend, timeout).
+
+    Why private: ``ModelParallelStrategy._setup_distributed`` is the only Lightning entry that
+    does all of it; re-implementing it would copy ``_init_dist_connection`` (private as well).
+    """
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    ModelParallelStrategy._setup_distributed(strategy)
+
+
+# Why private: Lightning's step redirection through a wrapped module (DeepSpeed's engine)
+# has no public base class; the ZeRO-3 strategy refines it (see strategies/deepspeed.py).
+DDPForwardRedirection = _DDPForwardRedirection
+
+
+def set_forward_redirection(strategy: Any, redirection: Any) -> None:
+    """Replace a DeepSpeed strategy's step redirection (no public setter; read by ``training_step`` & co)."""
+    strategy._forward_redirection = redirection
+
+
+# Private hooks of Lightning's DeepSpeedStrategy that DeepSpeedDataParallelStrategy overrides,
+# with why. A rename upstream would silently bypass the override, so the compat test checks
+# each still exists with these parameters.
+DEEPSPEED_STRATEGY_OVERRIDES: dict[str, tuple[tuple[str, ...], str]] = {
+    "_setup_model_and_optimizer": (
+        ("self", "model", "optimizer", "lr_scheduler"),
+        "deepspeed.initialize with a device rank that exists on CPU",
+    ),
+    "_initialize_deepspeed_inference": (("self", "model"), "the same CPU-safe device rank for evaluation engines"),
+    "_format_config": (("self",), "Trainer settings win over a raw config instead of being refused or ignored"),
+}
+
+
+def auto_select_batch_size(strategy: Any) -> int:
+    """The train loader's batch size as Lightning's DeepSpeedStrategy infers it for ``train_micro_batch_size_per_gpu``."""
+    return strategy._auto_select_batch_size()
+
+
+def init_deepspeed_distributed(strategy: Any) -> None:
+    """Join the process group through DeepSpeed (Lightning's own step, minus its CUDA device-index check)."""
+    strategy._init_deepspeed_distributed()
+
+
+def remove_module_hooks(model: nn.Module) -> None:
+    """Drop a training engine's hooks before an inference engine wraps the model (undocumented Lightning helper)."""
+    from lightning.pytorch.strategies.deepspeed import remove_module_hooks as remove
+
+    remove(model)
+
+
+def fit_loop_train_dataloader(trainer: pl.Trainer) -> Any:
+    """The training loader of a fit, however it was given (``fit(train_dataloaders=...)`` included).
+
+    Why private: the public routes (``datamodule.train_dataloader()``,
+    ``module.train_dataloader()``) miss loaders passed straight to ``fit``; the fit loop's
+    data source is the one place that knows all three.
+    """
+    return trainer.fit_loop._data_source.dataloader()
+
+
+# Lightning's fit-loop checkpoint layout (undocumented, 2.5-2.6): checkpoint key -> the
+# progress object under ``trainer.fit_loop.epoch_loop`` that Lightning saves there.
+_EPOCH_LOOP_PROGRESS = {
+    "epoch_loop.batch_progress": ("batch_progress",),
+    "epoch_loop.scheduler_progress": ("scheduler_progress",),
+    "epoch_loop.automatic_optimization.optim_progress": ("automatic_optimization", "optim_progress"),
+}
+
+
+def fit_loop_state(checkpoint: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The fit loop's entry of a Lightning checkpoint dict (``checkpoint["loops"]["fit_loop"]``), or None."""
+    return checkpoint.get("loops", {}).get("fit_loop")
+
+
+def epoch_end_loop_progress(trainer: pl.Trainer) -> dict[str, Any]:
+    """``{checkpoint key: live progress object}`` of the epoch loop's per-epoch counters."""
+    out = {}
+    for key, path in _EPOCH_LOOP_PROGRESS.items():
+        value: Any = trainer.fit_loop.epoch_loop
+        for attribute in path:
+            value = getattr(value, attribute)
+        out[key] = value
+    return out
+
+
+def drop_loader_position(fit_state: dict[str, Any]) -> None:
+    """Remove the saved data-loader position from a fit-loop checkpoint entry (Lightning stores it as ``combined_loader``)."""
+    fit_state.get("state_dict", {}).pop("combined_loader", None)
+
+
+# --- torch -------------------------------------------------------------------------------
+
+
+def dcp_set_element(root: dict[str, Any], path: Any, value: Any) -> None:
+    """Put ``value`` at a flattened-key path of a nested state dict, as DCP's DefaultLoadPlanner does.
+
+    Why private: the allow-listed load planner replaces ``load_bytes`` and must store the
+    value exactly where the default one would (``torch.distributed.checkpoint._traverse``).
+    """
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(root, path, value)
+
+
+def dcp_metadata_path(reader: Any, rank: Optional[int]) -> Any:
+    """Where a FileSystemReader finds ``.metadata`` (per-rank metadata files included); no public accessor."""
+    return reader._get_metadata_path(rank)
+
+
+def load_planner_target(planner: Any) -> tuple[bool, dict[str, Any], dict[str, Any], Any]:
+    """A DefaultLoadPlanner's ``(flatten_state_dict, original_state_dict, state_dict, mappings)`` (undocumented attributes)."""
+    return planner.flatten_state_dict, planner.original_state_dict, planner.state_dict, planner.mappings
+
+
+# --- DeepSpeed ---------------------------------------------------------------------------
+
+
+def zero_merge_trainable_params(
+    stage: int, merged: dict[str, Any], world_size: int, flat_per_rank: Any, model_states: Any, paddings: Any
+) -> None:
+    """Rebuild full tensors from ZeRO flat partitions into ``merged`` (``zero_to_fp32``'s private merges).
+
+    Why private: DeepSpeed exposes only whole-checkpoint conversions; the per-state merge is
+    what lets optimizer moments (laid out like the fp32 partitions) be re-split per parameter.
+    """
+    from deepspeed.utils import zero_to_fp32
+
+    if stage <= 2:
+        zero_to_fp32._zero2_merge_trainable_params(merged, world_size, flat_per_rank, model_states, paddings)
+    else:
+        zero_to_fp32._zero3_merge_trainable_params(merged, world_size, flat_per_rank, model_states)
+
+
+def zero3_param_coordinator(engine: Any) -> Any:
+    """The ZeRO-3 parameter coordinator of a DeepSpeed engine, or ``None`` (other stages, no engine yet).
+
+    Undocumented: the coordinator's ``reset_step`` ends a traced step; the ZeRO-3 strategy
+    runs it once per redirected Lightning step.
+    """
+    partitioned = getattr(engine, "zero_optimization_partition_weights", None)
+    if not callable(partitioned) or not partitioned():
+        return None
+    optimizer = getattr(engine, "optimizer", None)
+    # Training engine: the ZeRO-3 optimizer holds the offload object; an engine without
+    # optimizer (validate/test/predict) has the offload object as its optimizer.
+    offload = getattr(optimizer, "parameter_offload", optimizer)
+    get_coordinator = getattr(offload, "get_param_coordinator", None)
+    return get_coordinator() if callable(get_coordinator) else None

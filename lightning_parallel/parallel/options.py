@@ -1,0 +1,135 @@
+"""One frozen, validated set of options for the data x pipeline x tensor strategies.
+
+The strategies, their presets, the start-up table and the Hydra configs all read a
+:class:`ParallelOptions`; it is validated once, at construction, so every later reader can
+trust it. Checks that need the module or the world size (layers vs. stages, sizes that
+divide) live in :mod:`lightning_parallel.parallel.compose` and
+:mod:`lightning_parallel.layout`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+from lightning_parallel.layout import Size, check_size
+from lightning_parallel.parallel.partition import METHODS
+from lightning_parallel.parallel.pipeline import validate_schedule
+
+# The one default collective timeout of every strategy in the suite: long enough for a slow
+# checkpoint write, short enough that a dead rank fails the job within the hour.
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+ZERO_STAGES = (0, 2, 3)
+
+# What the data axis does at each ZeRO stage (start-up table, docs).
+ZERO_DESCRIPTIONS = {
+    0: "replicated, gradient all-reduce",
+    2: "FSDP2: gradients + optimizer state sharded",
+    3: "FSDP2: parameters, gradients + optimizer state sharded",
+}
+
+
+def plain(value: Any) -> Any:
+    """Hydra passes DictConfig/ListConfig; the machinery wants plain containers."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def as_timeout(value: Union[None, int, float, timedelta]) -> timedelta:
+    """A collective timeout from a ``timedelta``, seconds, or ``None`` (:data:`DEFAULT_TIMEOUT`).
+
+    Raises:
+        ValueError: not a positive duration.
+    """
+    if value is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = timedelta(seconds=value)
+    if not isinstance(value, timedelta) or value.total_seconds() <= 0:
+        raise ValueError(f"timeout={value!r} must be a positive timedelta or a number of seconds (e.g. 1800).")
+    return value
+
+
+def _check_partition(partition: Any) -> Union[str, tuple[int, ...]]:
+    if isinstance(partition, str):
+        if partition not in METHODS:
+            raise ValueError(
+                f"Unknown partition {partition!r}: use one of {METHODS} or a list of cut points such as [3, 5]."
+            )
+        return partition
+    if isinstance(partition, Sequence) and all(isinstance(p, int) and not isinstance(p, bool) for p in partition):
+        return tuple(partition)
+    raise ValueError(f"partition={partition!r} is neither a method name {METHODS} nor a list of integer cut points.")
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """Everything a data x pipeline x tensor run is asked to do, validated once.
+
+    Args:
+        data_parallel_size: replicas (``"auto"``: what the other sizes leave of the world).
+        pipeline_parallel_size: pipeline ranks.
+        tensor_parallel_size: ranks sharing each layer.
+        zero_stage: 0 (replicated, gradient all-reduce), 2 or 3 (FSDP2 over the data axis).
+        microbatches: micro-batches per batch for the pipeline schedule.
+        schedule: a pipeline schedule name (see ``parallel.pipeline.SCHEDULES``).
+        partition: ``uniform``, ``parameters``, ``time`` or a list of cut points.
+        stages_per_rank: pipeline stages per rank (2+ for interleaved/zero-bubble schedules).
+        sequence_parallel: shard norm/dropout activations along the sequence.
+        loss_parallel: vocabulary-parallel cross-entropy on a vocabulary-sharded LM head.
+        plan: extra or overriding tensor-parallel plan entries (glob -> style name; None removes).
+        save_distributed_checkpoint: sharded DCP folder (True) or one consolidated file.
+        timeout: collective timeout (``timedelta``, seconds, or None for :data:`DEFAULT_TIMEOUT`).
+
+    Raises:
+        ValueError: any option that cannot work, naming the fix.
+    """
+
+    data_parallel_size: Size = "auto"
+    pipeline_parallel_size: Size = 1
+    tensor_parallel_size: Size = 1
+    zero_stage: int = 0
+    microbatches: int = 4
+    schedule: str = "1f1b"
+    partition: Union[str, tuple[int, ...]] = "parameters"
+    stages_per_rank: int = 1
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    plan: Optional[Mapping[str, Any]] = field(default=None, hash=False)
+    save_distributed_checkpoint: bool = True
+    timeout: Optional[Union[timedelta, int, float]] = None
+
+    def __post_init__(self) -> None:
+        for name in ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
+            check_size(name, getattr(self, name))
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
+            raise ValueError(
+                f"zero_stage={self.zero_stage!r} is not supported: use 0 (replicate), 2 (FSDP2 shards gradients and "
+                "optimizer state) or 3 (parameters too). For ZeRO-1 use strategy=deepspeed_zero1."
+            )
+        tp = self.tensor_parallel_size
+        if self.loss_parallel and tp == 1:
+            raise ValueError(
+                "loss_parallel=True needs tensor_parallel_size > 1 (the vocabulary is sharded over the tensor group)."
+            )
+        if self.sequence_parallel and tp == 1:
+            raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")
+        pp_known = self.pipeline_parallel_size if isinstance(self.pipeline_parallel_size, int) else 1
+        validate_schedule(self.schedule, pp_known, self.stages_per_rank, self.microbatches)
+        object.__setattr__(self, "partition", _check_partition(plain(self.partition)))
+        object.__setattr__(self, "plan", plain(self.plan))
+        object.__setattr__(self, "timeout", as_timeout(self.timeout))
+
+    def num_stages(self, pipeline_parallel: int) -> int:
+        """Pipeline stages in all for ``pipeline_parallel`` ranks."""
+        return pipeline_parallel * self.stages_per_rank
+
+    @property
+    def settings(self) -> tuple[Any, ...]:
+        """What decides how a module is split and sharded (a parallelised module cannot change them)."""
+        return (self.schedule, self.stages_per_rank, self.partition, self.zero_stage, self.sequence_parallel,
+                self.loss_parallel, repr(self.plan))

@@ -1,0 +1,180 @@
+"""How a step runs, chosen once in ``setup``: Lightning calls the module, or a pipeline schedule runs it.
+
+:class:`DirectExecutor` lets Lightning call the module's own ``training_step`` & co. (tensor
+and data parallelism change the parameters, not the step). :class:`PipelinedExecutor`
+runs a ``torch.distributed.pipelining`` schedule instead: forward *and* backward for every
+micro-batch inside ``training_step``, the loss logged from ``pipeline_loss``.
+
+The strategy hands each method a ``default`` callable -- Lightning's own behaviour for that
+hook -- so an executor either wraps it or replaces it, and the strategy never branches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
+
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL
+from lightning_parallel.parallel.pipeline import PipelineRunner
+from lightning_parallel.parallel.tensor import loss_parallel_context
+from lightning_parallel.protocol import split_batch
+
+if TYPE_CHECKING:
+    from lightning_parallel.parallel.compose import Parallelized
+
+Default = Callable[[], Any]
+
+
+def plain_loss(output: Any) -> Any:
+    """A loss computed under loss_parallel is a replicated DTensor; Lightning needs a tensor.
+
+    ``full_tensor()`` of a replicated DTensor is differentiable and communication-free.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(output, DTensor):
+        return output.full_tensor()
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), DTensor):
+        return {**output, "loss": output["loss"].full_tensor()}
+    return output
+
+
+class DirectExecutor:
+    """Lightning calls the module's steps; loss parallelism wraps them and unwraps a DTensor loss.
+
+    Args:
+        loss_parallel: whether the LM head's logits stay vocabulary-sharded.
+    """
+
+    def __init__(self, loss_parallel: bool = False) -> None:
+        self.loss_parallel = loss_parallel
+
+    def _context(self) -> ContextManager[None]:
+        return loss_parallel_context(True) if self.loss_parallel else nullcontext()
+
+    def training_step(self, default: Default, batch: Any, batch_idx: int) -> Any:
+        with self._context():
+            return plain_loss(default())
+
+    def evaluation_step(self, default: Default, batch: Any, name: str) -> Any:
+        with self._context():
+            return plain_loss(default())
+
+    def predict_step(self, default: Default, batch: Any) -> Any:
+        return default()
+
+    def backward(self, default: Default, closure_loss: Tensor) -> Tensor:
+        with self._context():
+            return default()
+
+
+class PipelinedExecutor(DirectExecutor):
+    """Runs the pipeline schedule for every step; Lightning's hooks around it are kept.
+
+    Args:
+        strategy: the strategy (its ``lightning_module``, ``precision_plugin``, ``root_device``,
+            ``device_mesh``, ``pre_backward``/``post_backward`` are used).
+        parallelized: the result of :func:`~lightning_parallel.parallel.compose.parallelize`.
+    """
+
+    def __init__(self, strategy: Any, parallelized: Parallelized) -> None:
+        super().__init__(parallelized.options.loss_parallel)
+        options, layout = parallelized.options, parallelized.layout
+        self.strategy = strategy
+        self.data_parallel = layout.data_parallel
+        self.dp_group = strategy.device_mesh[DATA_PARALLEL].get_group() if layout.data_parallel_enabled else None
+        module = strategy.lightning_module
+        self.runner = PipelineRunner(
+            parallelized.stages,
+            parallelized.stage_ids,
+            parallelized.num_stages,
+            options.schedule,
+            options.microbatches,
+            loss_fn=module.pipeline_loss,
+            device=strategy.root_device,
+            group=strategy.device_mesh[PIPELINE_PARALLEL].get_group(),
+            last_stage_rank=parallelized.last_stage_rank,
+        )
+        self._parked: list[tuple[Tensor, Tensor]] = []
+
+    def _data_parallel_mean(self, value: Tensor) -> Tensor:
+        if self.dp_group is None:
+            return value
+        value = value.clone()
+        dist.all_reduce(value, group=self.dp_group)
+        return value / self.data_parallel
+
+    def training_step(self, default: Default, batch: Any, batch_idx: int) -> Any:
+        module = self.strategy.lightning_module
+        inputs, targets = split_batch(module, batch)
+        accumulation = module.trainer.accumulate_grad_batches
+        if batch_idx % accumulation == 0:
+            # First batch of an accumulation window: Lightning zeroes the gradients only
+            # after this step has run backward, so start the window from zero here.
+            for param in module.parameters():
+                param.grad = None
+        with self.strategy.precision_plugin.train_step_context(), self._context():
+            loss = self.runner.train_step(inputs, targets, loss_scale=1.0 / accumulation)
+        self._park_gradients()
+        loss = self._data_parallel_mean(loss)
+        module.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def evaluation_step(self, default: Default, batch: Any, name: str) -> Any:
+        module = self.strategy.lightning_module
+        inputs, targets = split_batch(module, batch)
+        with self.strategy.precision_plugin.val_step_context(), self._context():
+            loss, _ = self.runner.eval_step(inputs, targets)
+        module.log(name, loss, prog_bar=name == "val_loss", sync_dist=True)
+        return loss
+
+    def predict_step(self, default: Default, batch: Any) -> Any:
+        inputs = split_batch(self.strategy.lightning_module, batch)[0] if isinstance(batch, (tuple, list)) else batch
+        with self.strategy.precision_plugin.predict_step_context():
+            _, outputs = self.runner.eval_step(inputs, None)
+        return self.runner.broadcast_outputs(outputs)
+
+    def backward(self, default: Default, closure_loss: Tensor) -> Tensor:
+        # The schedule already ran backward for every micro-batch: hand the parked
+        # gradients back and run Lightning's hooks around a backward that is not needed.
+        strategy, module = self.strategy, self.strategy.lightning_module
+        strategy.pre_backward(closure_loss)
+        self._restore_gradients()
+        closure_loss = strategy.precision_plugin.pre_backward(closure_loss, module)
+        closure_loss = strategy.precision_plugin.post_backward(closure_loss, module)
+        strategy.post_backward(closure_loss)
+        return closure_loss
+
+    def _park_gradients(self) -> None:
+        """Hide the gradients the schedule just computed from Lightning's ``zero_grad``.
+
+        Note:
+            Lightning's closure runs ``training_step``, then ``zero_grad`` (on the first batch
+            of an accumulation window), then ``backward``. A pipeline schedule runs forward
+            *and* backward inside ``training_step``, so its gradients would be wiped. They are
+            parked here (references, no copies) and handed back in :meth:`backward`, which
+            leaves accumulation exact: a later batch's schedule adds to the parked sum.
+        """
+        self._parked = []
+        for param in self.strategy.lightning_module.parameters():
+            if param.grad is not None:
+                self._parked.append((param, param.grad))
+                param.grad = None
+
+    def _restore_gradients(self) -> None:
+        for param, grad in self._parked:
+            param.grad = grad if param.grad is None else param.grad + grad
+        self._parked = []
+
+
+def choose_executor(strategy: Any, parallelized: Optional[Parallelized]) -> DirectExecutor:
+    """The pipelined executor when the module was cut into stages, else the direct one."""
+    if parallelized is not None and parallelized.pipelined:
+        return PipelinedExecutor(strategy, parallelized)
+    loss_parallel = parallelized.options.loss_parallel if parallelized is not None else False
+    return DirectExecutor(loss_parallel)
+

@@ -1,0 +1,182 @@
+"""Canaries: every private or undocumented API the suite reaches through ``lightning_parallel._compat`` still exists.
+
+One test per touch point, so a Lightning, torch or DeepSpeed upgrade that moves one fails
+here, by name, instead of deep inside a training run.
+"""
+
+import inspect
+import re
+import subprocess
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
+from torch import nn
+
+from lightning_parallel import _compat
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _parameters(function) -> tuple[str, ...]:
+    return tuple(inspect.signature(function).parameters)
+
+
+def test_lightning_materialize_distributed_module_exists():
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
+    assert _parameters(_materialize_distributed_module)[:2] == ("module", "device")
+    module = nn.Linear(2, 2)
+    _compat.materialize_distributed_module(module, torch.device("cpu"))  # no meta tensors: a no-op
+    assert module.weight.device.type == "cpu"
+
+
+def test_lightning_optimizers_to_device_exists():
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    assert _parameters(_optimizers_to_device)[:2] == ("optimizers", "device")
+
+
+def test_lightning_module_device_mesh_is_backed_by_the_private_attribute():
+    module = pl.LightningModule()
+    sentinel = object()
+    _compat.set_module_device_mesh(module, sentinel)
+    assert module.device_mesh is sentinel
+
+
+def test_model_parallel_strategy_has_setup_distributed():
+    assert _parameters(ModelParallelStrategy._setup_distributed) == ("self",)
+    # It reads the timeout the suite passes to the constructor.
+    assert "_timeout" in inspect.getsource(ModelParallelStrategy._setup_distributed)
+
+
+def test_ddp_forward_redirection_base_exists():
+    from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
+
+    assert _compat.DDPForwardRedirection is _DDPForwardRedirection
+    assert callable(getattr(_DDPForwardRedirection, "__call__"))
+
+
+def test_strategy_steps_go_through_the_forward_redirection_attribute():
+    from lightning.pytorch.strategies import Strategy
+
+    strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+    sentinel = object()
+    _compat.set_forward_redirection(strategy, sentinel)
+    assert strategy._forward_redirection is sentinel
+    assert "self._forward_redirection(" in inspect.getsource(Strategy.training_step)
+
+
+@pytest.mark.parametrize("name", sorted(_compat.DEEPSPEED_STRATEGY_OVERRIDES))
+def test_deepspeed_strategy_private_hooks_the_suite_overrides_exist(name):
+    expected, _reason = _compat.DEEPSPEED_STRATEGY_OVERRIDES[name]
+    assert _parameters(getattr(DeepSpeedStrategy, name)) == expected
+
+
+@pytest.mark.parametrize("name", ["_auto_select_batch_size", "_init_deepspeed_distributed"])
+def test_deepspeed_strategy_private_helpers_the_suite_calls_exist(name):
+    assert _parameters(getattr(DeepSpeedStrategy, name)) == ("self",)
+
+
+def test_lightning_remove_module_hooks_exists():
+    from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+    module = nn.Linear(2, 2)
+    module.register_forward_hook(lambda *args: None)
+    _compat.remove_module_hooks(module)
+    assert not module._forward_hooks
+    assert callable(remove_module_hooks)
+
+
+def test_fit_loop_data_source_exists():
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert callable(trainer.fit_loop._data_source.dataloader)
+
+
+def test_fit_loop_checkpoint_layout_has_the_keys_exact_resume_rewrites():
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    progress = _compat.epoch_end_loop_progress(trainer)
+    saved = trainer.fit_loop.state_dict()
+    for key, live in progress.items():
+        assert key in saved, key
+        assert saved[key] == live.state_dict()
+        assert callable(live.reset_on_run)
+    checkpoint = {"loops": {"fit_loop": {"state_dict": {"combined_loader": [1]}}}}
+    _compat.drop_loader_position(_compat.fit_loop_state(checkpoint))
+    assert checkpoint["loops"]["fit_loop"]["state_dict"] == {}
+
+
+def test_dcp_set_element_exists():
+    from torch.distributed.checkpoint._traverse import set_element
+
+    root = {}
+    _compat.dcp_set_element(root, ("a", "b"), 3)
+    assert root == {"a": {"b": 3}} and callable(set_element)
+
+
+def test_dcp_file_system_reader_metadata_path(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = _compat.dcp_metadata_path(FileSystemReader(tmp_path), None)
+    assert str(path).endswith(".metadata")
+
+
+def test_dcp_default_load_planner_attributes():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner({"a": torch.zeros(1)}, Metadata(state_dict_metadata={}), is_coordinator=True)
+    flatten, original, state, mappings = _compat.load_planner_target(planner)
+    assert flatten is True and "a" in original and "a" in state and isinstance(mappings, dict)
+
+
+@pytest.mark.parametrize(("stage", "name", "arity"), [(2, "_zero2_merge_trainable_params", 5), (3, "_zero3_merge_trainable_params", 4)])
+def test_deepspeed_zero_merge_functions_exist(stage, name, arity):
+    from deepspeed.utils import zero_to_fp32
+
+    assert len(_parameters(getattr(zero_to_fp32, name))) == arity
+
+
+def test_deepspeed_zero3_coordinator_lookup_is_none_without_zero3():
+    assert _compat.zero3_param_coordinator(object()) is None
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    assert callable(PartitionedParameterCoordinator.reset_step)
+
+
+def test_no_private_name_of_another_package_is_touched_outside_compat():
+    """``grep -rn "\\._[a-z]" lightning_parallel/`` outside _compat.py finds only the suite's own names."""
+    output = subprocess.run(["grep", "-rn", r"\._[a-z]", "lightning_parallel/", "--include=*.py"], cwd=ROOT,
+                            capture_output=True, text=True).stdout
+    own = re.compile(r"\b(self|cls|strategy|runner|planner_self)\._[a-z]|lightning_parallel\.(_compat|_[a-z])")
+    offenders = [line for line in output.splitlines()
+                 if not line.startswith("lightning_parallel/_compat.py") and not own.search(line)]
+    assert offenders == []
+
+
+def _lightning_private_attributes(cls) -> set[str]:
+    names = set()
+    for base in cls.__mro__:
+        if base.__module__.startswith("lightning."):
+            names |= {n for n in vars(base) if n.startswith("_") and not n.startswith("__")}
+            try:
+                names |= set(re.findall(r"self\.(_[a-z]\w*)\s*[:=]", inspect.getsource(base)))
+            except (OSError, TypeError):
+                pass
+    return names
+
+
+def test_the_suite_strategies_use_no_private_attribute_of_their_lightning_bases_outside_compat():
+    """``self._x`` in a strategy must be the suite's own, not an inherited Lightning private."""
+    from lightning_parallel.strategies import DeepSpeedDataParallelStrategy, HybridParallelStrategy
+
+    allowed = set(_compat.DEEPSPEED_STRATEGY_OVERRIDES)  # overridden on purpose, canaried above
+    for cls, file in ((HybridParallelStrategy, "hybrid.py"), (DeepSpeedDataParallelStrategy, "deepspeed.py")):
+        source = (ROOT / "lightning_parallel" / "strategies" / file).read_text()
+        used = set(re.findall(r"self\.(_[a-z]\w*)", source)) | set(re.findall(r"def (_[a-z]\w*)", source))
+        clashes = (used & _lightning_private_attributes(cls)) - allowed
+        assert clashes == set(), f"{file}: {sorted(clashes)}"
+
