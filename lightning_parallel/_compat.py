@@ -6,7 +6,7 @@ asserts that each touch point still exists, with the signature relied on, in the
 versions, so an upgrade fails in one named test instead of deep inside a training run.
 
 Supported versions (``pyproject.toml`` pins the same ranges; CI installs inside them):
-lightning 2.5-2.6, torch 2.6-2.14, deepspeed >= 0.16 (checked with 0.19.8).
+lightning 2.6, torch 2.13, deepspeed 0.19, torchdata 0.11.
 
 Touch points, by package:
 

@@ -135,7 +135,15 @@ def rescale(
     if reference.global_batch_size is None or ref_lr is None:
         raise ValueError(f"scaling={rule} needs scaling.reference.global_batch_size and scaling.reference.lr.")
     _check_positive("reference.global_batch_size", reference.global_batch_size)
-    ref_gb = reference.global_batch_size
+    resolved = Reference(reference.global_batch_size, ref_lr, ref_warmup, reference.devices)
+    return _rescale_from_reference(rule, resolved, data_parallel, micro_batch_size, accumulate_grad_batches)
+
+
+def _rescale_from_reference(
+    rule: str, reference: Reference, data_parallel: int, micro_batch_size: int, accumulate_grad_batches: int
+) -> EffectiveHparams:
+    """The ``linear``, ``sqrt`` and ``fixed_global_batch`` rules from a complete, checked reference point."""
+    ref_gb, ref_lr, ref_warmup = reference.global_batch_size, reference.lr, reference.warmup_steps
     if rule == "fixed_global_batch":
         per_step = micro_batch_size * data_parallel
         if ref_gb % per_step:

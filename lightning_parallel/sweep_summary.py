@@ -25,6 +25,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
+from typing_extensions import override
 
 METRICS_FILE = "metrics.json"
 SUMMARY_FILE = "summary.csv"
@@ -163,10 +164,12 @@ class SweepSummary(Callback):
         self.console_width = console_width
         self._sweep_dir: Optional[Path] = None
 
+    @override
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Resolve the folder now: its ``${now:...}`` must not be read again at a later time.
         self._sweep_dir = Path(config.hydra.sweep.dir)
 
+    @override
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = self._sweep_dir or Path(config.hydra.sweep.dir)
         rows = summarise(sweep_dir)

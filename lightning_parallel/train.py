@@ -180,8 +180,15 @@ def log_final_hparams(logger: Any, summary: dict[str, Any], metrics: dict[str, f
         logger.finalize("success")
 
 
-def _fit_metrics(trainer: Any, datamodule: Any) -> dict[str, float]:
-    """Scalar metrics at the end of fit, plus callback summaries (throughput) and the data baseline."""
+def fit_metrics(trainer: Any, datamodule: Any) -> dict[str, float]:
+    """Scalar metrics at the end of fit, plus callback summaries (throughput, evaluation) and the data baseline.
+
+    Training throughput appears once, as ``throughput/*`` from :class:`~lightning_parallel.callbacks.ThroughputReport`.
+
+    Args:
+        trainer: the Trainer after ``fit``.
+        datamodule: the run's data module (``unigram_baseline()`` is added when it has one).
+    """
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
     for callback in trainer.callbacks:
         metrics.update(getattr(callback, "summary", {}) or {})
@@ -228,7 +235,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         print_table("lightning_parallel: run", _startup_table(cfg, strategy, layout, effective, logger, summary))
 
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-    metrics = _fit_metrics(trainer, datamodule)
+    metrics = fit_metrics(trainer, datamodule)
     if rank_zero_only.rank == 0:
         rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in sorted(metrics.items())]
         best = getattr(trainer.checkpoint_callback, "best_model_path", "") if trainer.checkpoint_callback else ""

@@ -1,9 +1,12 @@
-"""The end-of-training evaluation report: throughput, inference latency and accuracy, on every strategy.
+"""The end-of-training evaluation report: inference latency and accuracy, on every strategy.
 
 When training ends (``on_train_end``, while the strategy still holds the parallelised model)
 :class:`EvaluationReport` runs the validation and test sets through
 ``trainer.strategy.predict_step``, times each validation batch, feeds the outputs to the
-module's torchmetrics, prints a table on rank 0 and logs the figures to the logger.
+module's torchmetrics, prints a table on rank 0 and logs the figures to the logger. The
+table also shows the training throughput of the run's
+:class:`~lightning_parallel.callbacks.ThroughputReport` (when it has one): that callback is
+the one measurer, so a run reports a single training-throughput figure.
 
 What a module offers (all optional; duck-typed, as the rest of the protocol):
 
@@ -39,27 +42,16 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
-from lightning_parallel.callbacks.throughput import data_parallel_size
+from lightning_parallel.callbacks.throughput import find_throughput_report, tensor_leaves
 from lightning_parallel.protocol import split_batch
-
-
-def _tensors(value: Any) -> Iterator[Tensor]:
-    """The tensors of a (nested) tuple/list/dict batch, depth first."""
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
 
 
 def _map(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
@@ -75,7 +67,7 @@ def _map(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
 
 def batch_size_of(batch: Any) -> int:
     """Samples in a batch: the leading size of its first tensor."""
-    first = next(_tensors(batch), None)
+    first = next(tensor_leaves(batch), None)
     if first is None or first.ndim == 0:
         raise ValueError("The batch holds no tensor with a batch dimension: return tensors from the data loader.")
     return int(first.shape[0])
@@ -116,10 +108,13 @@ def _plain(output: Any) -> Any:
 
 
 class EvaluationReport(pl.Callback):
-    """Training throughput, inference latency and the module's accuracy metrics, at the end of training.
+    """Inference latency and the module's accuracy metrics, at the end of training.
+
+    The training throughput it prints is :class:`~lightning_parallel.callbacks.ThroughputReport`'s
+    (read, not measured again), and it stays out of :attr:`summary` so that the logged and
+    saved metrics hold it once, under ``throughput/*``.
 
     Args:
-        warmup_batches: training batches ignored at the start of the throughput figure.
         latency_warmup: validation batches run before latency is timed.
         latency_batches: validation batches timed (the set is passed repeatedly if smaller).
         max_eval_batches: cap on batches per split for the metrics (None: the whole split).
@@ -129,7 +124,6 @@ class EvaluationReport(pl.Callback):
 
     def __init__(
         self,
-        warmup_batches: int = 5,
         latency_warmup: int = 2,
         latency_batches: int = 20,
         max_eval_batches: Optional[int] = None,
@@ -139,7 +133,6 @@ class EvaluationReport(pl.Callback):
         unknown = set(splits) - {"val", "test"}
         if unknown:
             raise ValueError(f"splits={list(splits)} has {sorted(unknown)}: use 'val' and/or 'test'.")
-        self.warmup_batches = warmup_batches
         self.latency_warmup = latency_warmup
         self.latency_batches = latency_batches
         self.max_eval_batches = max_eval_batches
@@ -148,39 +141,15 @@ class EvaluationReport(pl.Callback):
         self.summary: dict[str, float] = {}
         self.readout: dict[str, Any] = {}
         self.latencies: list[float] = []
-        self._train_seconds = 0.0
-        self._train_samples = 0
-        self._train_tokens = 0
-        self._seen = 0
-        self._start: Optional[float] = None
+        self.training_rates: dict[str, float] = {}
         self._batch_size: Optional[int] = None
 
-    # --- training throughput -----------------------------------------------------------
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        self._sync(trainer)
-        self._start = time.perf_counter()
-
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._sync(trainer)
-        elapsed = time.perf_counter() - self._start
+        # Evaluation batches keep the training batch size (pipeline stages are built for it).
         self._batch_size = self._batch_size or batch_size_of(batch)
-        self._seen += 1
-        if self._seen <= self.warmup_batches:
-            return
-        inputs, _ = split_batch(pl_module, batch)
-        replicas = data_parallel_size(trainer.strategy)
-        self._train_seconds += elapsed
-        self._train_samples += batch_size_of(batch) * replicas
-        # Tokens: inputs that are one integer tensor are token ids (language models).
-        if isinstance(inputs, Tensor) and not inputs.is_floating_point():
-            self._train_tokens += inputs.numel() * replicas
-
-    @staticmethod
-    def _sync(trainer: pl.Trainer) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize(trainer.strategy.root_device)
 
     # --- evaluation -------------------------------------------------------------------
     def _loader(self, trainer: pl.Trainer, split: str) -> Optional[DataLoader]:
@@ -252,6 +221,7 @@ class EvaluationReport(pl.Callback):
                 if len(self.latencies) >= self.latency_batches:
                     break
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._batch_size is None:
             return  # no training batch ran: nothing to measure against
@@ -269,14 +239,12 @@ class EvaluationReport(pl.Callback):
         finally:
             pl_module.train(was_training)
         self.summary = self._summarise(trainer, metrics)
+        throughput = find_throughput_report(trainer)
+        self.training_rates = throughput.rates() if throughput is not None else {}
         self._report(trainer)
 
     def _summarise(self, trainer: pl.Trainer, metrics: dict[str, float]) -> dict[str, float]:
         summary: dict[str, float] = {}
-        if self._train_seconds:
-            summary["eval/train_samples_per_sec"] = self._train_samples / self._train_seconds
-            if self._train_tokens:
-                summary["eval/train_tokens_per_sec"] = self._train_tokens / self._train_seconds
         if self.latencies:
             summary["eval/latency_mean_ms"] = 1e3 * sum(self.latencies) / len(self.latencies)
             summary["eval/latency_p95_ms"] = 1e3 * percentile(self.latencies, 95)
@@ -293,7 +261,8 @@ class EvaluationReport(pl.Callback):
             return
         from lightning_parallel.report import print_table
 
-        rows = [(name.removeprefix("eval/"), f"{value:.4f}") for name, value in self.summary.items()]
+        rows = [(name, f"{value:.4f}") for name, value in self.training_rates.items()]  # ThroughputReport's
+        rows += [(name.removeprefix("eval/"), f"{value:.4f}") for name, value in self.summary.items()]
         rows += [(name, str(value)) for name, value in self.readout.items() if not isinstance(value, (int, float))]
         print_table(self.title, rows)
         for logger in trainer.loggers:

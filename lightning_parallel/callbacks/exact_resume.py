@@ -28,6 +28,9 @@ from copy import deepcopy
 from typing import Any
 
 import lightning.pytorch as pl
+from typing_extensions import override
+
+from lightning_parallel._compat import drop_loader_position, epoch_end_loop_progress, fit_loop_state
 
 
 def _reset_for_next_epoch(progress: Any) -> dict[str, Any]:
@@ -44,18 +47,15 @@ class ExactDataResume(pl.Callback):
     or with ``trainer.save_checkpoint`` after ``fit``; it leaves mid-epoch checkpoints unchanged.
     """
 
+    @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if not epoch_loop.batch_progress.is_last_batch:
+        if not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             return
-        fit_state = checkpoint.get("loops", {}).get("fit_loop")
+        fit_state = fit_loop_state(checkpoint)
         if fit_state is None:
             return
-        fit_state.get("state_dict", {}).pop("combined_loader", None)
+        drop_loader_position(fit_state)
         epoch = trainer.fit_loop.epoch_progress.current
         if epoch.processed == epoch.ready:  # the epoch is over, its end hooks included
-            fit_state["epoch_loop.batch_progress"] = _reset_for_next_epoch(epoch_loop.batch_progress)
-            fit_state["epoch_loop.scheduler_progress"] = _reset_for_next_epoch(epoch_loop.scheduler_progress)
-            fit_state["epoch_loop.automatic_optimization.optim_progress"] = _reset_for_next_epoch(
-                epoch_loop.automatic_optimization.optim_progress
-            )
+            for key, progress in epoch_end_loop_progress(trainer).items():
+                fit_state[key] = _reset_for_next_epoch(progress)

@@ -15,6 +15,7 @@ from typing import Literal
 import lightning.pytorch as pl
 import torch
 from torch.optim import Optimizer
+from typing_extensions import override
 
 ACTIONS = ("stop", "skip")
 
@@ -48,6 +49,7 @@ class NonFiniteGuard(pl.Callback):
         self.action = action
         self.skipped_steps: list[int] = []
 
+    @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
         bad = torch.tensor(0.0 if _local_finite(optimizer) else 1.0, device=pl_module.device)
         bad = trainer.strategy.reduce(bad, reduce_op="max")

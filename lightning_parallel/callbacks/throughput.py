@@ -1,15 +1,34 @@
-"""Training throughput measured from the batches themselves, on every strategy."""
+"""Training throughput measured from the batches themselves, on every strategy: the run's one figure.
+
+:class:`ThroughputReport` is the only place that times training batches. Other reports
+(:class:`~lightning_parallel.callbacks.EvaluationReport`) show its figure instead of
+measuring their own, so a run reports one training throughput, not two that disagree.
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import lightning.pytorch as pl
 import torch
+from torch import Tensor
+from typing_extensions import override
 
 from lightning_parallel.protocol import split_batch
+
+
+def tensor_leaves(value: Any) -> Iterator[Tensor]:
+    """The tensors of a (nested) tuple/list/dict batch, depth first."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from tensor_leaves(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensor_leaves(item)
 
 
 def data_parallel_size(strategy: Any) -> int:
@@ -20,6 +39,11 @@ def data_parallel_size(strategy: Any) -> int:
     return int(getattr(strategy, "world_size", 1) or 1)
 
 
+def find_throughput_report(trainer: pl.Trainer) -> Optional[ThroughputReport]:
+    """The Trainer's :class:`ThroughputReport`, or ``None`` when it has none."""
+    return next((c for c in trainer.callbacks if isinstance(c, ThroughputReport)), None)
+
+
 class ThroughputReport(pl.Callback):
     """Times every training batch and reports global samples/s and tokens/s.
 
@@ -27,6 +51,15 @@ class ThroughputReport(pl.Callback):
     excluded); the first ``warmup_batches`` are skipped so start-up does not bias the figure.
     Samples are counted from the batch's inputs times the data-parallel size; tokens
     are counted when the inputs are integer token ids.
+
+    Note:
+        On CUDA the callback synchronises the device at both ends of every training batch.
+        Kernels run asynchronously: without the sync the host clock measures kernel
+        launches, and a batch's device work spills into the next batch (or into the
+        validation that follows), so the figure would flatter the model. Synced, each
+        batch is charged exactly its own work; the price is the overlap of the next
+        batch's host-side start with this batch's last kernels, small beside a training
+        step. CPU runs need no sync.
 
     Args:
         warmup_batches: batches ignored at the start.
@@ -44,13 +77,24 @@ class ThroughputReport(pl.Callback):
         self._fit_start: Optional[float] = None
         self.summary: dict[str, float] = {}
 
+    @staticmethod
+    def _sync(trainer: pl.Trainer) -> None:
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_start = time.perf_counter()
 
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._sync(trainer)
         self._start = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._sync(trainer)
         elapsed = time.perf_counter() - self._start
         self._seen += 1
         if self._seen <= self.warmup_batches:
@@ -58,20 +102,18 @@ class ThroughputReport(pl.Callback):
         self.batch_times.append(elapsed)
         inputs, _ = split_batch(pl_module, batch)
         dp = data_parallel_size(trainer.strategy)
-        if not isinstance(inputs, torch.Tensor):  # several inputs (e.g. dense + sparse features): count the first
-            leaves = [leaf for leaf in torch.utils._pytree.tree_leaves(inputs) if isinstance(leaf, torch.Tensor)]
-            inputs = leaves[0] if leaves else None
-            if inputs is not None:
-                self.samples += inputs.shape[0] * dp
-            inputs = None
-        if isinstance(inputs, torch.Tensor):
-            self.samples += inputs.shape[0] * dp
-            if not inputs.is_floating_point():
-                self.tokens += inputs.numel() * dp
+        # Several inputs (e.g. dense + sparse features): the first tensor counts the samples.
+        first = next(tensor_leaves(inputs), None)
+        if first is not None:
+            self.samples += first.shape[0] * dp
+        # Tokens: inputs that are one integer tensor are token ids (language models).
+        if isinstance(inputs, Tensor) and not inputs.is_floating_point():
+            self.tokens += inputs.numel() * dp
         if self.log_every_n_steps and trainer.global_step % self.log_every_n_steps == 0:
-            pl_module.log_dict(self._rates(), rank_zero_only=True)
+            pl_module.log_dict(self.rates(), rank_zero_only=True)
 
-    def _rates(self) -> dict[str, float]:
+    def rates(self) -> dict[str, float]:
+        """``throughput/samples_per_sec`` (and ``tokens_per_sec`` for token inputs) so far; empty before any timed batch."""
         total = sum(self.batch_times)
         if not total:
             return {}
@@ -80,9 +122,10 @@ class ThroughputReport(pl.Callback):
             rates["throughput/tokens_per_sec"] = self.tokens / total
         return rates
 
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.summary = {
-            **self._rates(),
+            **self.rates(),
             "throughput/median_batch_ms": 1e3 * statistics.median(self.batch_times) if self.batch_times else float("nan"),
             "time/fit_seconds": time.perf_counter() - (self._fit_start or time.perf_counter()),
         }

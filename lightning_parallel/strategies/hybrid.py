@@ -63,28 +63,17 @@ class HybridParallelStrategy(ModelParallelStrategy):
     ``predict_step`` returns the model outputs on every rank.
 
     Args:
-        data_parallel_size: replicas (``"auto"``: what the other sizes leave of the world).
-        pipeline_parallel_size: pipeline ranks.
-        tensor_parallel_size: ranks sharing each layer.
-        zero_stage: 0 (replicated, gradient all-reduce), 2 or 3 (FSDP2 over the data axis).
-        microbatches: micro-batches per batch for the pipeline schedule.
-        schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``,
-            ``interleaved_zero_bubble``, ``zbv`` or ``dualpipev``.
-        partition: ``uniform``, ``parameters``, ``time`` or a list of cut points.
-        stages_per_rank: pipeline stages per rank (2+ for interleaved/zero-bubble schedules).
-        sequence_parallel: shard norms/dropout activations along the sequence (needs a plan
-            that declares them).
-        loss_parallel: keep the LM head's output vocab-sharded and compute a vocab-parallel
-            cross-entropy.
-        plan: extra or overriding tensor-parallel plan entries (glob -> style name; None removes).
-        save_distributed_checkpoint: sharded DCP folder (True) or one consolidated file.
+        data_parallel_size, pipeline_parallel_size, tensor_parallel_size: the layout's sizes
+            (one may be ``"auto"``).
+        zero_stage, microbatches, schedule, partition, stages_per_rank: the data axis and the
+            pipeline schedule.
+        sequence_parallel, loss_parallel, plan: the tensor-parallel plan.
+        save_distributed_checkpoint, timeout: checkpoint format and collective timeout.
         process_group_backend: ``gloo``/``nccl``; default by device.
-        timeout: collective timeout (``timedelta`` or seconds; default
-            :data:`~lightning_parallel.parallel.options.DEFAULT_TIMEOUT`): a dead rank fails
-            the run instead of hanging it.
 
-    All but ``process_group_backend`` are validated into one frozen
-    :class:`~lightning_parallel.parallel.options.ParallelOptions` (``strategy.options``).
+    All but ``process_group_backend`` are validated at construction into one frozen
+    :class:`~lightning_parallel.parallel.options.ParallelOptions` (``strategy.options``),
+    whose docstring describes each of them.
     """
 
     strategy_name = "hybrid_parallel"

@@ -95,6 +95,19 @@ def run_processes(
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1.")
+    procs, results = _start_ranks(fn, world_size, args, kwargs, env)
+    outputs: dict[int, Any] = {}
+    try:
+        _collect(procs, results, outputs, timeout)
+    finally:
+        _stop(procs, finished=len(outputs) == world_size)
+    return [outputs[rank] for rank in range(world_size)]
+
+
+def _start_ranks(
+    fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, env: Optional[dict[str, str]]
+) -> tuple[list[Any], mp.Queue]:
+    """Spawn the ranks on a free port; each reports ``(rank, ok, pickled value or traceback)`` on the queue."""
     ctx = mp.get_context("spawn")  # fork after torch has started threads is unsafe
     results: mp.Queue = ctx.Queue()
     port = free_port()
@@ -105,30 +118,36 @@ def run_processes(
     ]
     for proc in procs:
         proc.start()
-    outputs: dict[int, Any] = {}
+    return procs, results
+
+
+def _collect(procs: list[Any], results: mp.Queue, outputs: dict[int, Any], timeout: float) -> None:
+    """Fill ``outputs`` with every rank's value, or raise on the first failure, death or the deadline."""
+    world_size = len(procs)
     deadline = time.monotonic() + timeout
-    try:
-        while len(outputs) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(outputs))
-                raise DistributedRunError(f"Timed out after {timeout:.0f}s waiting for ranks {missing}.")
-            try:
-                rank, ok, value = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
-                if dead:
-                    raise DistributedRunError(
-                        f"Rank {dead[0]} exited with code {procs[dead[0]].exitcode} without reporting a result."
-                    ) from None
-                continue
-            if not ok:
-                raise DistributedRunError(f"Rank {rank} of {world_size} failed:\n{value}")
-            outputs[rank] = pickle.loads(value)
-    finally:
-        for proc in procs:
-            proc.join(timeout=10 if len(outputs) == world_size else 0.1)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return [outputs[rank] for rank in range(world_size)]
+    while len(outputs) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(set(range(world_size)) - set(outputs))
+            raise DistributedRunError(f"Timed out after {timeout:.0f}s waiting for ranks {missing}.")
+        try:
+            rank, ok, value = results.get(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
+            if dead:
+                raise DistributedRunError(
+                    f"Rank {dead[0]} exited with code {procs[dead[0]].exitcode} without reporting a result."
+                ) from None
+            continue
+        if not ok:
+            raise DistributedRunError(f"Rank {rank} of {world_size} failed:\n{value}")
+        outputs[rank] = pickle.loads(value)
+
+
+def _stop(procs: list[Any], finished: bool) -> None:
+    """Join the ranks (briefly when the run failed) and kill any still alive."""
+    for proc in procs:
+        proc.join(timeout=10 if finished else 0.1)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

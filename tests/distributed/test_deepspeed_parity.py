@@ -162,7 +162,7 @@ def _resume_run(rank: int, world_size: int, stage: int, root: str) -> dict[str, 
         "weights_diff": max(float((full_weights[k] - resumed_weights[k]).abs().max()) for k in full_weights),
     }
     if rank == 0:
-        from lightning_parallel.parallel.deepspeed_checkpoint import convert_checkpoint
+        from lightning_parallel.checkpoints import convert_checkpoint
 
         out = convert_checkpoint(final, Path(root) / "final.pt")
         plain = torch.load(out, map_location="cpu", weights_only=True)

@@ -21,7 +21,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_parallel.parallel import deepspeed_checkpoint as dsc
+from lightning_parallel import checkpoints
+from lightning_parallel.checkpoints import convert
 from lightning_parallel.testing import LossHistory, max_abs_difference, run_processes
 from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
 
@@ -94,9 +95,9 @@ def trained(tmp_path_factory):
     for stage, optimizer in CASES:
         source = root / f"{_name(stage, optimizer)}.ckpt"
         start = time.perf_counter()
-        dsc.convert_to_dcp(source, root / f"{_name(stage, optimizer)}.dcp")
+        checkpoints.convert_to_dcp(source, root / f"{_name(stage, optimizer)}.dcp")
         seconds[(stage, optimizer)] = time.perf_counter() - start
-    dsc.convert_to_dcp(root / "zero2_adamw.ckpt", root / "zero2_adamw_reset.dcp", optimizer_state=False)
+    checkpoints.convert_to_dcp(root / "zero2_adamw.ckpt", root / "zero2_adamw_reset.dcp", optimizer_state=False)
     return {"root": root, "runs": per_rank, "seconds": seconds}
 
 
@@ -159,11 +160,9 @@ def test_without_the_optimizer_state_the_losses_differ(trained, single_process):
 
 def _load_converted(path: Path, optimizer: str) -> tuple[ResidualMLP, torch.optim.Optimizer, dict]:
     """The converted folder loaded through the suite's own loader, on this process (no process group)."""
-    from lightning_parallel.parallel.checkpoint import load_sharded_checkpoint
-
     module = ResidualMLP(optimizer=optimizer, seed=1)
     optim = module.configure_optimizers()
-    meta = load_sharded_checkpoint(path, module, [optim])
+    meta = checkpoints.load_sharded_checkpoint(path, module, [optim])
     return module, optim, meta
 
 
@@ -179,13 +178,13 @@ def test_converted_optimizer_state_equals_deepspeeds_own(trained, stage, optimiz
             assert float(optim.state[param]["step"]) == BATCHES
     assert worst == 0.0, f"ZeRO-{stage} {optimizer}: converted optimizer state differs by {worst:.2e}"
     # The weights too: the plain consolidation and the DCP folder agree bit for bit.
-    plain = dsc.consolidate_state_dict(trained["root"] / f"{_name(stage, optimizer)}.ckpt")
+    plain = checkpoints.consolidate_state_dict(trained["root"] / f"{_name(stage, optimizer)}.ckpt")
     for name, value in module.state_dict().items():
         torch.testing.assert_close(value, plain[name], rtol=0, atol=0)
 
 
 def test_lightning_state_is_carried_and_the_source_recorded(trained):
-    source = dsc.read_lightning_state(trained["root"] / "zero3_adamw.ckpt")
+    source = checkpoints.read_lightning_state(trained["root"] / "zero3_adamw.ckpt")
     _, _, meta = _load_converted(trained["root"] / "zero3_adamw.dcp", "adamw")
     assert (meta["epoch"], meta["global_step"]) == (source["epoch"], source["global_step"]) == (0, BATCHES)
     assert meta["loops"] == source["loops"] and meta["callbacks"] == source["callbacks"]
@@ -196,24 +195,22 @@ def test_lightning_state_is_carried_and_the_source_recorded(trained):
 
 def test_the_command_writes_either_format(trained, tmp_path, capsys):
     source = str(trained["root"] / "zero2_adamw.ckpt")
-    assert dsc.main([source, str(tmp_path / "out.ckpt")]) == 0
+    assert convert.main([source, str(tmp_path / "out.ckpt")]) == 0
     assert "wrote DCP checkpoint" in capsys.readouterr().out
-    from lightning_parallel.parallel.checkpoint import is_sharded_checkpoint
-
-    assert is_sharded_checkpoint(tmp_path / "out.ckpt")
-    assert dsc.main([source, str(tmp_path / "weights.pt")]) == 0
+    assert checkpoints.is_sharded_checkpoint(tmp_path / "out.ckpt")
+    assert convert.main([source, str(tmp_path / "weights.pt")]) == 0
     plain = torch.load(tmp_path / "weights.pt", weights_only=True)
     ResidualMLP().load_state_dict(plain)  # strict
-    assert dsc.main([source, str(tmp_path / "forced"), "--to", "pt"]) == 0 and (tmp_path / "forced").is_file()
-    assert dsc.main([str(tmp_path / "missing"), str(tmp_path / "x.ckpt")]) == 2
+    assert convert.main([source, str(tmp_path / "forced"), "--to", "pt"]) == 0 and (tmp_path / "forced").is_file()
+    assert convert.main([str(tmp_path / "missing"), str(tmp_path / "x.ckpt")]) == 2
     assert "not a DeepSpeed checkpoint folder" in capsys.readouterr().err
 
 
 def test_a_folder_that_is_not_deepspeeds_is_refused(trained, tmp_path):
     with pytest.raises(ValueError, match="no 'latest' file"):
-        dsc.convert_to_dcp(trained["root"] / "zero2_adamw.dcp", tmp_path / "again.ckpt")  # already converted
+        checkpoints.convert_to_dcp(trained["root"] / "zero2_adamw.dcp", tmp_path / "again.ckpt")  # already converted
     with pytest.raises(ValueError, match="not a DeepSpeed checkpoint folder"):
-        dsc.convert_to_dcp(tmp_path / "nothing", tmp_path / "x.ckpt")
+        checkpoints.convert_to_dcp(tmp_path / "nothing", tmp_path / "x.ckpt")
     assert not (tmp_path / "x.ckpt").exists()
 
 
@@ -235,7 +232,7 @@ def test_optimizer_state_that_cannot_be_resplit_is_refused(trained, tmp_path):
 
     _edit(folder, "*_optim_states.pt", factor)
     with pytest.raises(ValueError, match="'exp_avg_sq' is neither laid out like the flat fp32 partition"):
-        dsc.convert_to_dcp(folder, tmp_path / "out.ckpt")
+        checkpoints.convert_to_dcp(folder, tmp_path / "out.ckpt")
     assert not (tmp_path / "out.ckpt").exists() and not (tmp_path / ".out.ckpt.partial").exists()
 
 
@@ -244,8 +241,8 @@ def test_a_deepspeed_checkpoint_not_written_by_lightning_is_refused(trained, tmp
     shutil.copytree(trained["root"] / "zero2_adamw.ckpt", folder)
     _edit(folder, "*model_states.pt", lambda state: state.pop("loops"))
     with pytest.raises(ValueError, match="not written by trainer.save_checkpoint"):
-        dsc.convert_to_dcp(folder, tmp_path / "out.ckpt")
-    dsc.convert_checkpoint(folder, tmp_path / "weights.pt")  # the weights still convert
+        checkpoints.convert_to_dcp(folder, tmp_path / "out.ckpt")
+    checkpoints.convert_checkpoint(folder, tmp_path / "weights.pt")  # the weights still convert
 
 
 def test_conversion_figures(trained, single_process, pipeline, record_property):

@@ -39,7 +39,7 @@ def _fit(rank: int, world_size: int, stage, precision: str, root: str) -> dict[s
         result["device"] = str(next(engine.module.parameters()).device)
         path = Path(root) / f"zero{stage}.ckpt"
         trainer.save_checkpoint(path)
-        from lightning_parallel.parallel.deepspeed_checkpoint import consolidate_state_dict
+        from lightning_parallel.checkpoints import consolidate_state_dict
 
         state = consolidate_state_dict(path)
         fresh = ResidualMLP()

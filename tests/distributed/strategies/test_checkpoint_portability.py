@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_parallel.parallel import checkpoint as ckpt
+from lightning_parallel import checkpoints as ckpt
 from lightning_parallel.strategies import HybridParallelStrategy as Hybrid
 from lightning_parallel.testing import LossHistory, max_abs_difference, run_processes
 from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
@@ -139,10 +139,8 @@ def test_a_checkpoint_with_a_malicious_pickle_is_refused(saved, tmp_path, target
 
 
 def test_export_writes_one_plain_state_dict_loadable_without_distributed(saved, tmp_path):
-    from lightning_parallel.export import export_state_dict
-
     single = run_processes(_weights_after_resume, 1, str(saved / "pp2xtp2.ckpt"))[0]
-    out = export_state_dict(saved / "pp2xtp2.ckpt", tmp_path / "model.pt")
+    out = ckpt.export_state_dict(saved / "pp2xtp2.ckpt", tmp_path / "model.pt")
     plain = torch.load(out, weights_only=True)
     fresh = ResidualMLP()
     fresh.load_state_dict(plain)  # strict: exactly the module's keys and shapes

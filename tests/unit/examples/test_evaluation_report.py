@@ -1,4 +1,7 @@
-"""EvaluationReport on one process: padding, percentiles, and a whole report after a short fit."""
+"""EvaluationReport on one process: padding, percentiles, and a whole report after a short fit.
+
+The training throughput of a run is ThroughputReport's alone; the report shows it without measuring.
+"""
 
 from functools import partial
 
@@ -8,8 +11,10 @@ import torch
 
 from examples.vision.data import ImageDataModule
 from examples.vision.model import ViT
-from lightning_parallel.callbacks import EvaluationReport
+from lightning_parallel.callbacks import EvaluationReport, ThroughputReport
 from lightning_parallel.callbacks.evaluation import batch_size_of, pad_batch, percentile
+from lightning_parallel.callbacks.throughput import tensor_leaves
+from lightning_parallel.train import fit_metrics
 
 
 def test_pad_batch_repeats_the_last_row_of_every_tensor():
@@ -42,19 +47,42 @@ def test_report_after_a_short_fit_covers_every_sample(tmp_path, capsys):
     seen = []
     metrics = model.evaluation_metrics
     model.evaluation_metrics = lambda: {name: _Counting(metric, seen) for name, metric in metrics().items()}
-    report = EvaluationReport(warmup_batches=2, latency_batches=6)
+    report, throughput = EvaluationReport(latency_batches=6), ThroughputReport(warmup_batches=2)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=8, logger=pl.loggers.TensorBoardLogger(tmp_path),
-                         enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0, callbacks=[report])
+                         enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
+                         callbacks=[report, throughput])
     trainer.fit(model, datamodule=data)
     summary = report.summary
-    assert {"eval/train_samples_per_sec", "eval/latency_mean_ms", "eval/latency_p95_ms", "eval/val_accuracy",
+    assert {"eval/latency_mean_ms", "eval/latency_p95_ms", "eval/val_accuracy",
             "eval/test_accuracy", "eval/chance_accuracy"} <= set(summary)
-    assert "eval/train_tokens_per_sec" not in summary  # images are not tokens
+    assert report.training_rates == {"throughput/samples_per_sec": throughput.rates()["throughput/samples_per_sec"]}
     assert len(report.latencies) >= 6 and summary["eval/latency_p95_ms"] >= summary["eval/latency_mean_ms"] * 0.5
     assert sorted(seen) == sorted([180, 360])  # every sample once, padding removed
     assert model.training  # the report puts the module back in training mode
-    assert "lightning_parallel: evaluation" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "lightning_parallel: evaluation" in out and "throughput/samples_per_sec" in out
     assert list(tmp_path.rglob("events.out.tfevents.*"))
+
+
+def test_a_run_reports_exactly_one_training_throughput(tmp_path):
+    """Both reports of conf/callbacks/default.yaml together: the run's metrics hold one samples/s figure."""
+    torch.manual_seed(0)
+    model = ViT(d_model=16, n_layer=1, n_head=2, optimizer=partial(torch.optim.AdamW, lr=1e-2))
+    data = _Digits(batch_size=64)
+    throughput = ThroughputReport(warmup_batches=2, log_every_n_steps=2)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, limit_val_batches=0,
+                         callbacks=[EvaluationReport(latency_batches=2, splits=("val",)), throughput])
+    trainer.fit(model, datamodule=data)
+    metrics = fit_metrics(trainer, data)
+    assert [key for key in metrics if "samples_per_sec" in key] == ["throughput/samples_per_sec"]
+    assert metrics["throughput/samples_per_sec"] == pytest.approx(64 * 4 / sum(throughput.batch_times))
+    assert not [key for key in metrics if key.startswith("eval/train")]
+
+
+def test_tensor_leaves_walks_nested_batches_depth_first():
+    a, b, c = torch.zeros(2), torch.ones(3), torch.full((1,), 2.0)
+    assert [t.numel() for t in tensor_leaves(((a, {"x": b, "y": "label"}), [c], 7))] == [2, 3, 1]
 
 
 class _Counting:

@@ -1,19 +1,30 @@
-"""DeepSpeed config building, conflict checks, registry names and bad input; no processes."""
+"""DeepSpeed config building, conflict checks, registry names, timeouts and bad input; no processes."""
 
 from __future__ import annotations
 
+import inspect
 import json
+from datetime import timedelta
 
 import pytest
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
-from lightning_parallel.strategies.deepspeed import (
-    REGISTERED,
-    DeepSpeedDataParallelStrategy,
-    apply_precision,
-    apply_trainer_settings,
-    build_zero_config,
-)
+from lightning_parallel.parallel.deepspeed_config import apply_precision, apply_trainer_settings, build_zero_config
+from lightning_parallel.parallel.options import DEFAULT_TIMEOUT
+from lightning_parallel.strategies.deepspeed import REGISTERED, DeepSpeedDataParallelStrategy
+
+
+def test_timeout_defaults_to_the_suite_default_and_takes_seconds():
+    assert DeepSpeedDataParallelStrategy().timeout == DEFAULT_TIMEOUT
+    assert DeepSpeedDataParallelStrategy(timeout=None).timeout == DEFAULT_TIMEOUT  # conf/strategy: timeout: null
+    assert DeepSpeedDataParallelStrategy(timeout=90).timeout == timedelta(seconds=90)
+    with pytest.raises(ValueError, match="positive"):
+        DeepSpeedDataParallelStrategy(timeout=0)
+
+
+def test_lightning_ddp_timeout_equals_the_suite_default():
+    # conf/strategy/ddp.yaml leaves the timeout to Lightning's DDPStrategy on that ground.
+    assert inspect.signature(DDPStrategy.__init__).parameters["timeout"].default == DEFAULT_TIMEOUT
 
 
 def test_explicit_arguments_build_the_zero_section():
@@ -194,3 +205,4 @@ def test_hydra_configs_instantiate_the_registered_settings():
         assert isinstance(strategy, DeepSpeedDataParallelStrategy), name
         for key, value in init_params.items():
             assert getattr(strategy, key) == value, (name, key)
+        assert strategy.timeout == DEFAULT_TIMEOUT, name  # `timeout: null` in the file

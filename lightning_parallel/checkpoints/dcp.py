@@ -14,95 +14,31 @@ Note:
     setting, as torchtitan does): the nested form stores ``param_groups`` as one object per
     checkpoint, which DCP de-duplicates across ranks -- pipeline stages, whose groups list
     different parameters, would then load another stage's groups.
+
+    Reading goes through :mod:`~lightning_parallel.checkpoints.safe_loading` (allow-listed
+    metadata, ``weights_only=True`` for every other entry).
 """
 
 from __future__ import annotations
 
-import io
-import pickle
+import contextlib
 import shutil
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.optim import Optimizer
+
+from lightning_parallel.checkpoints.safe_loading import SafeFileSystemReader, SafeLoadPlanner, load_plain
 
 METADATA_FILE = "meta.pt"
 
 
-class CheckpointRefused(ValueError):
-    """The checkpoint holds something other than tensors and plain values (tampered or foreign)."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` but only its own classes, torch sizes/dtypes and plain containers."""
-
-    _TORCH_NAMES = {"Size", "device", "dtype", "layout", "memory_format", "strided", "sparse_coo", "contiguous_format",
-                    "preserve_format", "channels_last", "channels_last_3d"}
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = (
-            module.startswith("torch.distributed.checkpoint.")
-            or (module == "torch" and (name in self._TORCH_NAMES or isinstance(getattr(torch, name, None), torch.dtype)))
-            or (module == "torch.serialization" and name == "_get_layout")
-            or (module == "pathlib" and name in {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"})
-            or (module == "collections" and name == "OrderedDict")
-            or (module == "builtins" and name in {"set", "frozenset", "slice", "tuple", "list", "dict"})
-        )
-        if not allowed:
-            raise CheckpointRefused(
-                f"Refusing to load a checkpoint whose metadata references {module}.{name}: a checkpoint holds only "
-                "tensors and plain values. The file was tampered with or written by something else."
-            )
-        return super().find_class(module, name)
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's reader, with the metadata unpickled through an allow-list.
-
-    Note:
-        torch 2.13's ``FileSystemReader.read_metadata`` calls ``pickle.load`` on ``.metadata``,
-        which would run any code planted in it; tensors themselves are read with
-        ``weights_only=True``.
-    """
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        rank = kwargs.get("rank")
-        with self.fs.create_stream(self._get_metadata_path(rank), "rb") as stream:
-            metadata = _MetadataUnpickler(stream).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, reading non-tensor entries with ``weights_only=True``.
-
-    Note:
-        The default planner loads byte entries (learning rates, flags of optimizer param
-        groups) with ``torch.load(weights_only=False)``.
-    """
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        try:
-            loaded = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as error:
-            raise CheckpointRefused(f"Refusing checkpoint entry {read_item.dest_index.fqn!r}: {error}") from None
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner uses
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
-
-
-def _partial_path(path: Path) -> Path:
+def partial_path(path: Path) -> Path:
+    """The hidden folder (``.<name>.partial``) a checkpoint is written into before :func:`commit` renames it."""
     return path.with_name(f".{path.name}.partial")
 
 
@@ -110,12 +46,33 @@ def _old_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.old")
 
 
-def write_shards(path: Path, state: dict[str, Any]) -> Path:
-    """Every rank writes its shards into the hidden ``.<name>.partial`` folder (collective); returns it."""
+@contextlib.contextmanager
+def single_process() -> Iterator[None]:
+    """Silence DCP's warning that it saves or loads "in a single process": for converters, that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
+
+
+def _drop_stale_partial(path: Path) -> None:
+    partial = partial_path(path)
+    if partial.exists():
+        shutil.rmtree(partial)  # left by a crash during an earlier write
+
+
+def write_shards(path: Path, state: dict[str, Any], no_dist: bool = False) -> Path:
+    """Write the shards into the hidden ``.<name>.partial`` folder; returns it.
+
+    Args:
+        path: the final folder name; nothing is written there yet.
+        state: the DCP state (``{"state_dict": ..., "optimizer_0": ...}``).
+        no_dist: ``False``: every rank calls it (collective). ``True``: this one process
+            writes everything, with no process group.
+    """
     from torch.distributed.checkpoint import save
 
-    partial = _partial_path(path)
-    save(state, checkpoint_id=partial)
+    partial = partial_path(path)
+    save(state, checkpoint_id=partial, no_dist=no_dist)
     return partial
 
 
@@ -126,8 +83,12 @@ def commit(path: Path, metadata: dict[str, Any]) -> None:
     partial folder's hidden name matches no ``last*.ckpt`` pattern, so ``ckpt_path="last"`` can
     only ever pick a complete checkpoint. Replacing an existing folder takes two renames; a crash
     between them leaves ``.<name>.old``, which :func:`resolve_checkpoint` falls back to.
+
+    Args:
+        path: the final folder name; its ``.<name>.partial`` folder holds the shards.
+        metadata: Lightning's checkpoint dict without the sharded state (saved as ``meta.pt``).
     """
-    partial = _partial_path(path)
+    partial = partial_path(path)
     torch.save(metadata, partial / METADATA_FILE)
     old = _old_path(path)
     if old.exists():
@@ -150,9 +111,8 @@ def save_sharded_checkpoint(path: Path, state: dict[str, Any], metadata: dict[st
         is_coordinator: True on exactly one rank (global rank 0).
         barrier: a barrier over all ranks.
     """
-    partial = _partial_path(path)
-    if is_coordinator and partial.exists():
-        shutil.rmtree(partial)  # left by a crash during an earlier write
+    if is_coordinator:
+        _drop_stale_partial(path)
     barrier()
     write_shards(path, state)
     barrier()
@@ -161,22 +121,57 @@ def save_sharded_checkpoint(path: Path, state: dict[str, Any], metadata: dict[st
     barrier()
 
 
+def save_on_one_process(path: Path, state: dict[str, Any], metadata: dict[str, Any]) -> Path:
+    """Write a whole checkpoint folder from this one process (no process group), atomically as above.
+
+    For converters: DCP saves with ``no_dist=True``, so it also works from a single rank of a
+    running job without turning into a collective.
+
+    Args:
+        path: the folder to write; an existing one is replaced (see :func:`commit`).
+        state: ``{"state_dict": ..., "optimizer_0": ...}`` with full tensors.
+        metadata: Lightning's checkpoint dict (saved as ``meta.pt``).
+
+    Returns:
+        ``path``.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _drop_stale_partial(path)
+    with single_process():
+        write_shards(path, state, no_dist=True)
+    commit(path, metadata)
+    return path
+
+
 def resolve_checkpoint(path: Path) -> Path:
-    """``path``, or the previous complete checkpoint if a crash interrupted replacing it."""
+    """``path``, or the previous complete checkpoint if a crash interrupted replacing it.
+
+    Args:
+        path: the checkpoint folder asked for.
+    """
     if not path.exists() and _old_path(path).is_dir():
         return _old_path(path)
     return path
 
 
 def optimizer_state_dict(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """This rank's optimizer state under full parameter names, flattened for DCP (see the note above)."""
+    """This rank's optimizer state under full parameter names, flattened for DCP (see the module note).
+
+    Args:
+        module: the parallelised model the optimizer steps.
+        optimizer: the torch optimizer (unwrapped from Lightning's).
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
-    """A DCP checkpoint folder written by the suite (or Lightning's ModelParallelStrategy)."""
+    """A DCP checkpoint folder written by the suite (or Lightning's ModelParallelStrategy).
+
+    Args:
+        path: any path.
+    """
     return path.is_dir() and (path / ".metadata").is_file() and (path / METADATA_FILE).is_file()
 
 
@@ -198,7 +193,7 @@ def load_sharded_checkpoint(
         strict: every key of the module must be in the checkpoint.
         weights_only: passed to ``torch.load`` for ``meta.pt``.
     """
-    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -206,19 +201,16 @@ def load_sharded_checkpoint(
         set_optimizer_state_dict,
     )
 
-    def load(state: dict, checkpoint_id: Path) -> None:
-        dcp_load(state, storage_reader=SafeFileSystemReader(checkpoint_id), planner=SafeLoadPlanner())
+    def read(state: dict[str, Any]) -> None:
+        load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
 
     model_state = {"state_dict": get_model_state_dict(module)}
-    load(model_state, checkpoint_id=path)
+    read(model_state)
     set_model_state_dict(module, model_state["state_dict"], options=StateDictOptions(strict=strict))
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
     for index, optimizer in enumerate(optimizers):
         key = f"optimizer_{index}"
         optim_state = {key: optimizer_state_dict(module, optimizer)}
-        load(optim_state, checkpoint_id=path)
+        read(optim_state)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key], options=flat)
-    try:
-        return torch.load(path / METADATA_FILE, weights_only=True if weights_only is None else weights_only)
-    except pickle.UnpicklingError as error:
-        raise CheckpointRefused(f"Refusing {path / METADATA_FILE}: it holds more than tensors and plain values ({error}).") from None
+    return load_plain(path / METADATA_FILE, weights_only=True if weights_only is None else weights_only)

@@ -1,0 +1,185 @@
+"""Reading a DeepSpeed checkpoint folder: where it is, its weights and Lightning's state in it.
+
+``trainer.save_checkpoint(path)`` under :class:`~lightning_parallel.strategies.deepspeed.DeepSpeedDataParallelStrategy`
+writes a *folder*: ``path/latest`` names a tag (``checkpoint``), and ``path/checkpoint/``
+holds the model-state file(s) -- which also carry Lightning's own state (loops, global
+step, schedulers, callbacks) -- and one optimizer-state shard per rank. Under ZeRO 1-3 the
+fp32 weights and the optimizer state (Adam's moments, SGD's momentum) live there as flat
+per-rank partitions, so no single file holds the model. The optimizer state is read by
+:mod:`~lightning_parallel.checkpoints.deepspeed_optimizer`.
+
+Reading needs DeepSpeed installed and unpickles its files with ``weights_only=False``
+(they hold DeepSpeed objects): read only checkpoints you trust.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PathLike = str | os.PathLike
+# Lightning wrapped modules under this name in older versions; weights saved then carry it.
+_WRAPPER_PREFIX = "_forward_module."
+MODEL_STATES = "mp_rank_00_model_states.pt"
+# Keys DeepSpeed's engine writes into the model-state file (DeepSpeedEngine's _common_checkpoint_state
+# and _save_zero_checkpoint in 0.19.8); everything else in it is Lightning's client_state.
+_DEEPSPEED_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts",
+    "ds_autoep_layers", "autoep_layers", "folding_metadata",
+})
+# Keys Lightning always writes; their absence means the folder was not written by trainer.save_checkpoint.
+_LIGHTNING_KEYS = ("epoch", "global_step", "loops")
+
+
+def is_deepspeed_folder(path: Path) -> bool:
+    """Whether ``path`` looks like a DeepSpeed checkpoint: the top folder (``latest``, tag folders) or a tag folder.
+
+    Args:
+        path: any path.
+    """
+    return path.is_dir() and (
+        (path / "latest").is_file() or any(path.glob("*_model_states.pt")) or any(path.glob("*/*_model_states.pt"))
+    )
+
+
+def resolve_folder(checkpoint_dir: PathLike, tag: str | None) -> tuple[Path, str]:
+    """The top-level folder and tag of a checkpoint given as the top folder or the tag folder.
+
+    Args:
+        checkpoint_dir: the folder written by ``trainer.save_checkpoint`` (or its tag folder).
+        tag: the tag to read; default: the one named in ``latest``.
+
+    Raises:
+        ValueError: no such folder, no ``latest`` file without ``tag``, or no such tag.
+    """
+    path = Path(checkpoint_dir)
+    if not path.is_dir():
+        raise ValueError(
+            f"{str(path)!r} is not a DeepSpeed checkpoint folder: pass the folder trainer.save_checkpoint wrote "
+            "(it contains a 'latest' file and a 'checkpoint' folder)."
+        )
+    if tag is None and not (path / "latest").is_file() and any(path.glob("*_model_states.pt")):
+        return path.parent, path.name  # the tag folder itself was given
+    if tag is None:
+        latest = path / "latest"
+        if not latest.is_file():
+            raise ValueError(
+                f"{str(path)!r} has no 'latest' file naming the checkpoint tag: pass tag= (--tag) or the tag folder."
+            )
+        tag = latest.read_text().strip()
+    if not (path / tag).is_dir():
+        raise ValueError(f"Tag folder {str(path / tag)!r} does not exist: check tag= (--tag).")
+    return path, tag
+
+
+def has_zero_shards(tag_dir: Path) -> bool:
+    """Whether a tag folder holds ZeRO 1-3 optimizer shards (stage 0 writes none)."""
+    return any(tag_dir.glob("*_optim_states.pt"))
+
+
+def strip_wrapper(name: str) -> str:
+    """A parameter name without the prefix older Lightning versions saved wrapped modules under."""
+    return name.removeprefix(_WRAPPER_PREFIX)
+
+
+def load_trusted(file: Path) -> dict[str, Any]:
+    """``torch.load`` of a DeepSpeed file, memory-mapped on the CPU.
+
+    DeepSpeed pickles its own classes (ZeroStageEnum, fragment_address, ...) into these
+    files, so ``weights_only=True`` cannot read them; see the module docstring.
+    """
+    return torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+
+
+def first_model_states(tag_dir: Path) -> Path:
+    """The model-state file Lightning's state is read from (ZeRO-3 writes one per rank, all alike)."""
+    files = sorted(tag_dir.glob("*model_states.pt"))
+    if not files:
+        raise ValueError(f"{str(tag_dir)!r} holds no *model_states.pt file: not a DeepSpeed checkpoint.")
+    return (tag_dir / MODEL_STATES) if (tag_dir / MODEL_STATES).is_file() else files[0]
+
+
+def consolidate_state_dict(checkpoint_dir: PathLike, tag: str | None = None) -> OrderedDict[str, torch.Tensor]:
+    """Gather a DeepSpeed checkpoint's weights into one fp32 ``state_dict`` on the CPU.
+
+    Args:
+        checkpoint_dir: the folder written by ``trainer.save_checkpoint`` (or its tag folder).
+        tag: the tag to read; default: the one named in ``latest``.
+
+    Returns:
+        Parameter (and buffer) names of the LightningModule mapped to full fp32 CPU tensors,
+        ready for ``module.load_state_dict``.
+
+    Raises:
+        ValueError: the folder is not a DeepSpeed checkpoint.
+
+    Note:
+        ZeRO 1-3 keep the fp32 master weights in per-rank optimizer shards, which
+        ``deepspeed.utils.zero_to_fp32`` knows how to stitch together (any world size).
+        ZeRO stage 0 writes no shards: its full weights are in the model-state file.
+    """
+    top, tag = resolve_folder(checkpoint_dir, tag)
+    tag_dir = top / tag
+    if has_zero_shards(tag_dir):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        # Silenced: it prints a line per step and progress bars (exceptions still propagate).
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            state = get_fp32_state_dict_from_zero_checkpoint(str(top), tag=tag)
+    else:
+        model_file = tag_dir / MODEL_STATES
+        if not model_file.is_file():
+            raise ValueError(
+                f"{str(tag_dir)!r} holds neither ZeRO shards nor {MODEL_STATES}: not a DeepSpeed checkpoint."
+            )
+        state = load_trusted(model_file)["module"]
+    consolidated: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for name, tensor in state.items():
+        tensor = tensor.detach().cpu()
+        consolidated[strip_wrapper(name)] = (tensor.float() if tensor.is_floating_point() else tensor).contiguous()
+    return consolidated
+
+
+def read_lightning_state(checkpoint_dir: PathLike, tag: str | None = None) -> dict[str, Any]:
+    """Lightning's own checkpoint entries (epoch, global step, loops, schedulers, callbacks, hparams).
+
+    Lightning hands them to DeepSpeed as ``client_state``, which stores them beside its own
+    keys in the model-state file; this returns them without DeepSpeed's.
+
+    Args:
+        checkpoint_dir: the folder written by ``trainer.save_checkpoint`` (or its tag folder).
+        tag: the tag to read; default: the one named in ``latest``.
+
+    Raises:
+        ValueError: the folder is not a DeepSpeed checkpoint, or was not written by Lightning.
+    """
+    top, tag = resolve_folder(checkpoint_dir, tag)
+    return lightning_entries(load_trusted(first_model_states(top / tag)), top / tag)
+
+
+def lightning_entries(model_state: dict[str, Any], where: Path) -> dict[str, Any]:
+    """Lightning's entries of a loaded model-state file (all but DeepSpeed's own keys).
+
+    Args:
+        model_state: the loaded ``*model_states.pt``.
+        where: the tag folder, for the error message.
+
+    Raises:
+        ValueError: Lightning's keys are missing (the folder was not written by ``trainer.save_checkpoint``).
+    """
+    missing = [key for key in _LIGHTNING_KEYS if key not in model_state]
+    if missing:
+        raise ValueError(
+            f"{str(where)!r} lacks Lightning's {missing}: it was not written by trainer.save_checkpoint, so there "
+            "is no training progress to resume. Convert the weights only (OUT.pt / convert_checkpoint)."
+        )
+    return {key: value for key, value in model_state.items() if key not in _DEEPSPEED_KEYS}
