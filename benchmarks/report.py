@@ -106,7 +106,7 @@ def write_all(out: Path, results: dict, plots: bool) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     _write_csv(out / "results.csv", results.get("layouts", {}))
-    images = _plots(out, results) if plots else []
+    images = _plots_if_available(out, results) if plots else []
     (out / "report.md").write_text(render_markdown(results, [p.name for p in images]))
     return [out / "results.json", out / "results.csv", out / "report.md", *images]
 
@@ -259,6 +259,17 @@ def render_markdown(results: dict, images: list[str]) -> str:
     if images:
         lines += ["", "## Plots", ""] + [f"![{img}]({img})" for img in images]
     return "\n".join(lines) + "\n"
+
+
+def _plots_if_available(out: Path, results: dict) -> list[Path]:
+    """The PNG plots, or none with one line naming the extra to install when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("[benchmarks] plots skipped: matplotlib is not installed (pip install -e '.[bench]'); "
+              "every other result file is written.", flush=True)
+        return []
+    return _plots(out, results)
 
 
 def _plots(out: Path, results: dict) -> list[Path]:

@@ -18,8 +18,9 @@ Note:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, NamedTuple, Union
+from typing import TYPE_CHECKING, Literal, NamedTuple, Optional, Union
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -30,6 +31,16 @@ TENSOR_PARALLEL = "tensor_parallel"
 MESH_AXES: tuple[str, str, str] = (DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL)
 
 Size = Union[int, Literal["auto"]]
+
+# How messages spell each setting by default (the Python API's words); the entry point passes
+# the Hydra paths the user typed (``strategy.pipeline_parallel_size``, ``trainer.devices``).
+DEFAULT_NAMES: dict[str, str] = {
+    DATA_PARALLEL: DATA_PARALLEL,
+    PIPELINE_PARALLEL: PIPELINE_PARALLEL,
+    TENSOR_PARALLEL: TENSOR_PARALLEL,
+    "devices": "devices",
+    "num_nodes": "num_nodes",
+}
 
 
 class RankCoordinates(NamedTuple):
@@ -51,6 +62,58 @@ def _factorizations(world_size: int) -> list[tuple[int, int, int]]:
             if rest % p == 0:
                 out.append((d, p, rest // p))
     return out
+
+
+class _World(NamedTuple):
+    """The world a layout is checked against, and the words the messages use for each setting."""
+
+    size: int
+    num_nodes: int
+    names: Mapping[str, str]
+
+    def describe(self) -> str:
+        devices, nodes = self.names["devices"], self.names["num_nodes"]
+        per_node = self.size // self.num_nodes if self.num_nodes and self.size % self.num_nodes == 0 else "?"
+        return f"{devices}={per_node} x {nodes}={self.num_nodes} = {self.size} processes"
+
+    def devices_for(self, processes: int) -> str:
+        """The device setting that gives the smallest world that is a multiple of ``processes``."""
+        nodes = max(1, self.num_nodes)
+        smallest = processes * nodes // math.gcd(processes, nodes)
+        text = f"{self.names['devices']}={smallest // nodes}"
+        return text if nodes == 1 else f"{text} x {self.names['num_nodes']}={nodes}"
+
+    def setting(self, sizes: Mapping[str, Size], axes: list[str]) -> str:
+        return " x ".join(f"{self.names[a]}={sizes[a]!r}" if sizes[a] == "auto" else f"{self.names[a]}={sizes[a]}"
+                          for a in axes)
+
+    def valid(self, axes: list[str]) -> str:
+        """The sizes of ``axes`` that fit this world (the other axes filling the rest)."""
+        index = [MESH_AXES.index(a) for a in axes]
+        combos = sorted({tuple(f[i] for i in index) for f in _factorizations(self.size)})
+        shown = ", ".join("x".join(map(str, c)) for c in combos[:8]) + (", ..." if len(combos) > 8 else "")
+        return f"{' x '.join(self.names[a] for a in axes)} = {shown}"
+
+    def mismatch(self, sizes: Mapping[str, Size]) -> str:
+        """Sizes that do not multiply (no 'auto') or divide (one 'auto') to the world size."""
+        explicit = [a for a in MESH_AXES if sizes[a] != "auto"]
+        auto = [a for a in MESH_AXES if sizes[a] == "auto"]
+        product = math.prod(sizes[a] for a in explicit)
+        if auto:
+            return (f"{self.setting(sizes, explicit)} = {product} does not divide the world size "
+                    f"{self.describe()}, so {self.names[auto[0]]}='auto' cannot be filled. Fix: sizes whose "
+                    f"product divides {self.size} ({self.valid(explicit)}), or a world that is a multiple of "
+                    f"{product} processes ({self.devices_for(product)}).")
+        fits = self.devices_for(product)
+        world = f"run {product} processes ({fits})" if product % max(1, self.num_nodes) == 0 else "run more processes"
+        return (f"{self.setting(sizes, explicit)} = {product}, but the world size is {self.describe()}. Fix: sizes "
+                f"whose product is {self.size} ({self.valid(explicit)}), set one of them to 'auto', or {world}.")
+
+    def too_many_autos(self, sizes: Mapping[str, Size], auto: list[str]) -> str:
+        divisors = ", ".join(str(d) for d in range(1, self.size + 1) if self.size % d == 0)
+        return (f"Only one size can be 'auto', got {' and '.join(self.setting(sizes, [a]) for a in auto)} on {self.describe()}. Fix: give "
+                f"{' and '.join(self.names[a] for a in auto[1:])} an explicit size (a divisor of {self.size}: "
+                f"{divisors}) and leave {self.names[auto[0]]}='auto'.")
 
 
 def check_size(name: str, value: object) -> None:
@@ -89,15 +152,10 @@ class ParallelLayout:
             if value == "auto":
                 raise ValueError(f"{name}='auto' must be resolved first: build the layout with ParallelLayout.resolve().")
             check_size(name, value)
-        product = self.data_parallel * self.pipeline_parallel * self.tensor_parallel
-        if product != self.world_size:
-            valid = ", ".join(f"{d}x{p}x{t}" for d, p, t in _factorizations(self.world_size)[:8])
-            raise ValueError(
-                f"data_parallel x pipeline_parallel x tensor_parallel = {self.data_parallel}x{self.pipeline_parallel}"
-                f"x{self.tensor_parallel} = {product}, but the world size (devices x num_nodes) is {self.world_size}. "
-                f"Set one size to 'auto', change trainer.devices/num_nodes to {product}, or pick sizes whose product "
-                f"is {self.world_size} (data x pipeline x tensor: {valid})."
-            )
+        sizes = {DATA_PARALLEL: self.data_parallel, PIPELINE_PARALLEL: self.pipeline_parallel,
+                 TENSOR_PARALLEL: self.tensor_parallel}
+        if math.prod(sizes.values()) != self.world_size:
+            raise ValueError(_World(self.world_size, 1, DEFAULT_NAMES).mismatch(sizes))
 
     @classmethod
     def resolve(
@@ -106,6 +164,8 @@ class ParallelLayout:
         data_parallel: Size = "auto",
         pipeline_parallel: Size = 1,
         tensor_parallel: Size = 1,
+        names: Optional[Mapping[str, str]] = None,
+        num_nodes: int = 1,
     ) -> ParallelLayout:
         """Fill in at most one ``"auto"`` size from the world size and validate.
 
@@ -114,33 +174,30 @@ class ParallelLayout:
             data_parallel: size or ``"auto"``.
             pipeline_parallel: size or ``"auto"``.
             tensor_parallel: size or ``"auto"``.
+            names: how the caller spells each setting in messages (keys of :data:`DEFAULT_NAMES`,
+                e.g. ``{"pipeline_parallel": "strategy.pipeline_parallel_size", "devices": "trainer.devices"}``).
+            num_nodes: nodes in the world (only for the messages' device counts).
 
         Raises:
-            ValueError: non-positive sizes, more than one ``"auto"``, or sizes that do not
-                multiply (or divide) to the world size. The message names the fix.
+            ValueError: non-positive sizes, more than one ``"auto"``, or sizes that do not multiply
+                (or divide) to the world size. The message names the settings, the world and the fix.
         """
         check_size("world_size", world_size)
         if world_size == "auto":
             raise ValueError("world_size cannot be 'auto': pass devices x num_nodes.")
-        sizes = {"data_parallel": data_parallel, "pipeline_parallel": pipeline_parallel, "tensor_parallel": tensor_parallel}
-        for name, value in sizes.items():
-            check_size(name, value)
-        auto = [name for name, value in sizes.items() if value == "auto"]
+        world = _World(world_size, num_nodes, {**DEFAULT_NAMES, **(names or {})})
+        sizes = {DATA_PARALLEL: data_parallel, PIPELINE_PARALLEL: pipeline_parallel, TENSOR_PARALLEL: tensor_parallel}
+        for axis, value in sizes.items():
+            check_size(world.names[axis], value)
+        auto = [axis for axis, value in sizes.items() if value == "auto"]
         if len(auto) > 1:
-            raise ValueError(
-                f"Only one size can be 'auto', got {auto}: give explicit sizes for all but one "
-                f"(usually data_parallel='auto')."
-            )
+            raise ValueError(world.too_many_autos(sizes, auto))
+        fixed = math.prod(v for v in sizes.values() if v != "auto")
+        if (world_size % fixed) if auto else (fixed != world_size):
+            raise ValueError(world.mismatch(sizes))
         if auto:
-            fixed = math.prod(v for v in sizes.values() if v != "auto")
-            if world_size % fixed:
-                raise ValueError(
-                    f"Cannot fill {auto[0]}='auto': the other sizes multiply to {fixed}, which does not divide the "
-                    f"world size {world_size}. Use trainer.devices x num_nodes that is a multiple of {fixed}, or "
-                    f"sizes whose product divides {world_size}."
-                )
             sizes[auto[0]] = world_size // fixed
-        return cls(world_size, sizes["data_parallel"], sizes["pipeline_parallel"], sizes["tensor_parallel"])
+        return cls(world_size, sizes[DATA_PARALLEL], sizes[PIPELINE_PARALLEL], sizes[TENSOR_PARALLEL])
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -18,6 +18,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.preflight import ConfigError, preflight, report_config_error
+from lightning_parallel.preflight import layout_of as layout_of  # re-exported: tests and recipes use them
+from lightning_parallel.preflight import world_size_of as world_size_of
 from lightning_parallel.scaling import EffectiveHparams, Reference, rescale_for_layout
 from lightning_parallel.sweep_summary import METRICS_FILE
 
@@ -29,27 +32,6 @@ def _select(cfg: DictConfig, path: str) -> Any:
     if value is None:
         raise ValueError(f"scaling.apply_to points at {path!r}, which is not in the config: fix scaling.apply_to.")
     return value
-
-
-def world_size_of(cfg: DictConfig) -> int:
-    """Processes in the run: ``trainer.devices x trainer.num_nodes`` (devices as a count)."""
-    devices = cfg.trainer.devices
-    if isinstance(devices, str) and devices not in ("auto", "-1"):
-        devices = len([d for d in devices.split(",") if d.strip()]) if "," in devices else int(devices)
-    if not isinstance(devices, int) or devices < 1:
-        raise ValueError(
-            f"trainer.devices={devices!r}: give an explicit positive device count so the layout can be checked "
-            "before processes start."
-        )
-    return devices * int(cfg.trainer.num_nodes)
-
-
-def layout_of(strategy: Any, world_size: int) -> ParallelLayout:
-    """The layout a strategy will use: its own for the suite's strategies, data-parallel otherwise."""
-    resolve = getattr(strategy, "resolve_layout", None)
-    if callable(resolve):
-        return resolve(world_size)
-    return ParallelLayout.resolve(world_size, data_parallel="auto")
 
 
 def apply_scaling(cfg: DictConfig, layout: ParallelLayout) -> EffectiveHparams:
@@ -198,7 +180,7 @@ def fit_metrics(trainer: Any, datamodule: Any) -> dict[str, float]:
     return metrics
 
 
-def train(cfg: DictConfig) -> dict[str, float]:
+def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None) -> dict[str, float]:
     """Build everything from ``cfg`` and fit; returns the final metrics (same on every rank).
 
     Rank 0 also writes ``<output_dir>/.hydra/effective.yaml`` before fitting and
@@ -206,6 +188,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     Args:
         cfg: the composed Hydra config (``conf/config.yaml`` plus overrides).
+        prepared: :func:`preflight` of ``cfg`` when the caller already ran it.
     """
     import lightning.pytorch as pl
     from hydra.utils import instantiate
@@ -214,9 +197,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     from lightning_parallel.report import print_table
 
     pl.seed_everything(cfg.seed, workers=True)
-    # A plain string (``auto``, ``ddp``, a registered name) is passed to Lightning as it is.
-    strategy = cfg.strategy if isinstance(cfg.strategy, str) else instantiate(cfg.strategy)
-    layout = layout_of(strategy, world_size_of(cfg))
+    strategy, layout = prepared or preflight(cfg)
     effective = apply_scaling(cfg, layout)
     summary = run_summary(cfg, strategy, layout, effective)
 
@@ -284,14 +265,18 @@ def run(cfg: DictConfig) -> Optional[float]:
 
     from lightning_parallel.launch import local_ranks, processes_to_launch, restored_rank_environment
 
-    nprocs = processes_to_launch(cfg.trainer.devices, int(cfg.trainer.num_nodes))
+    try:
+        nprocs = processes_to_launch(cfg.trainer.devices, int(cfg.trainer.num_nodes))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    prepared = preflight(cfg)  # before any other rank starts: a bad layout is reported once
     try:
         with restored_rank_environment():
             if nprocs:
                 with local_ranks(cfg, Path(HydraConfig.get().runtime.output_dir), nprocs):
-                    metrics = train(cfg)
+                    metrics = train(cfg, prepared)
             else:
-                metrics = train(cfg)
+                metrics = train(cfg, prepared)
     finally:
         # A multirun runs the next job in this process; it must start from a clean slate.
         if dist.is_available() and dist.is_initialized():
@@ -304,7 +289,11 @@ def run(cfg: DictConfig) -> Optional[float]:
 def main(cfg: DictConfig) -> Optional[float]:
     """Console entry point (``lp-train``)."""
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    return run(cfg)
+    try:
+        return run(cfg)
+    except ConfigError as error:
+        report_config_error(error)
+        return None
 
 
 if __name__ == "__main__":

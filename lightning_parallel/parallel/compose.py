@@ -100,10 +100,12 @@ def check_module(module: nn.Module, layout: ParallelLayout, options: ParallelOpt
         validate_schedule(options.schedule, layout.pipeline_parallel, options.stages_per_rank, options.microbatches)
         num_layers, num_stages = len(module.pipeline_layers()), options.num_stages(layout.pipeline_parallel)
         if num_layers < num_stages:
+            fits = num_layers // layout.pipeline_parallel
+            remedy = (f"stages_per_rank <= {fits}" if fits >= 1 else f"pipeline_parallel_size <= {num_layers}")
             raise ValueError(
                 f"{type(module).__name__} has {num_layers} pipeline layers, fewer than the {num_stages} stages of "
                 f"pipeline_parallel_size={layout.pipeline_parallel} x stages_per_rank={options.stages_per_rank}: "
-                "lower them."
+                f"every stage needs a layer. Fix: {remedy}, or a model with more layers."
             )
     if not layout.tensor_parallel_enabled:
         return {}

@@ -111,15 +111,16 @@ class ParallelOptions:
                 f"zero_stage={self.zero_stage!r} is not supported: use 0 (replicate), 2 (FSDP2 shards gradients and "
                 "optimizer state) or 3 (parameters too). For ZeRO-1 use strategy=deepspeed_zero1."
             )
-        tp = self.tensor_parallel_size
-        if self.loss_parallel and tp == 1:
-            raise ValueError(
-                "loss_parallel=True needs tensor_parallel_size > 1 (the vocabulary is sharded over the tensor group)."
-            )
-        if self.sequence_parallel and tp == 1:
-            raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")
-        pp_known = self.pipeline_parallel_size if isinstance(self.pipeline_parallel_size, int) else 1
-        validate_schedule(self.schedule, pp_known, self.stages_per_rank, self.microbatches)
+        for flag in ("loss_parallel", "sequence_parallel"):
+            if getattr(self, flag) and self.tensor_parallel_size == 1:
+                raise ValueError(
+                    f"{flag}=True needs tensor_parallel_size > 1 (it shards over the tensor group), but "
+                    f"tensor_parallel_size=1: set tensor_parallel_size >= 2, or {flag}=False."
+                )
+        # Only what holds for any world here: micro-batches against the pipeline size are checked
+        # once the world is known (check_module), after the sizes are checked against it, so that a
+        # size too large for the world is reported as that and not as too few micro-batches.
+        validate_schedule(self.schedule, 1, self.stages_per_rank, self.microbatches)
         object.__setattr__(self, "partition", _check_partition(plain(self.partition)))
         object.__setattr__(self, "plan", plain(self.plan))
         object.__setattr__(self, "timeout", as_timeout(self.timeout))

@@ -67,20 +67,26 @@ def validate_schedule(schedule: str, pipeline_parallel: int, stages_per_rank: in
     _, rule, _ = SCHEDULES[schedule]
     if rule == "one" and stages_per_rank != 1:
         multi = [n for n, (_, r, _) in SCHEDULES.items() if r != "one"]
-        raise ValueError(f"schedule={schedule!r} runs one stage per rank: set stages_per_rank=1, or use {multi}.")
+        raise ValueError(
+            f"schedule={schedule!r} runs one stage per rank, but stages_per_rank={stages_per_rank}: set "
+            f"stages_per_rank=1, or use {multi}."
+        )
     if rule == "many" and stages_per_rank < 2:
         raise ValueError(
-            f"schedule={schedule!r} interleaves several stages per rank: set stages_per_rank >= 2, or use '1f1b'."
+            f"schedule={schedule!r} interleaves several stages per rank, but stages_per_rank={stages_per_rank}: "
+            "set stages_per_rank >= 2, or use schedule='1f1b'."
         )
     if rule == "two" and stages_per_rank != 2:
         raise ValueError(
-            f"schedule={schedule!r} is a V schedule with exactly two stages per rank: set stages_per_rank=2."
+            f"schedule={schedule!r} is a V schedule with exactly two stages per rank, but stages_per_rank="
+            f"{stages_per_rank}: set stages_per_rank=2."
         )
     num_stages = pipeline_parallel * stages_per_rank
     if schedule in ("1f1b", "dualpipev") and microbatches < num_stages:
         raise ValueError(
             f"schedule={schedule!r} needs at least as many micro-batches as stages: microbatches={microbatches} < "
-            f"{num_stages} stages. Raise microbatches to >= {num_stages}."
+            f"{num_stages} stages (pipeline_parallel_size={pipeline_parallel} x stages_per_rank={stages_per_rank}). "
+            f"Fix: microbatches >= {num_stages} (dividing the batch size), or fewer stages."
         )
     if rule == "many" and pipeline_parallel > 1 and microbatches % pipeline_parallel:
         raise ValueError(

@@ -45,6 +45,10 @@ from lightning_parallel.strategies.timeouts import CollectiveTimeout, names_time
 
 __all__ = ["CollectiveTimeout", "HybridParallelStrategy"]
 
+# How the strategy's arguments are spelled in layout errors.
+_SIZE_NAMES = {"data_parallel": "data_parallel_size", "pipeline_parallel": "pipeline_parallel_size",
+               "tensor_parallel": "tensor_parallel_size"}
+
 
 class HybridParallelStrategy(ModelParallelStrategy):
     """Data x pipeline x tensor parallelism for modules that follow the suite's protocol.
@@ -116,7 +120,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def resolve_layout(self, world_size: int) -> ParallelLayout:
         """The data x pipeline x tensor layout for ``world_size`` ranks (no processes needed)."""
         o = self.options
-        return ParallelLayout.resolve(world_size, o.data_parallel_size, o.pipeline_parallel_size, o.tensor_parallel_size)
+        return ParallelLayout.resolve(world_size, o.data_parallel_size, o.pipeline_parallel_size, o.tensor_parallel_size,
+                                      names=_SIZE_NAMES, num_nodes=self.num_nodes)
 
     def startup_rows(self, layout: ParallelLayout) -> dict[str, str]:
         """Strategy rows of the start-up table (see :mod:`lightning_parallel.report`)."""

@@ -54,3 +54,22 @@ def test_runner_writes_results_csv_report_and_plots(tmp_path):
     report = (out / "report.md").read_text()
     for heading in ("## 1. Strategy overhead", "## 3. Pipeline", "## 5. Communication", "## 7. Start-up"):
         assert heading in report
+
+
+def test_missing_matplotlib_skips_the_plots_and_writes_everything_else(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from benchmarks.report import write_all
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    results = {"meta": {"date": "test", "command": "python -m benchmarks.run --quick", "machine": "cpu",
+                        "torch": "x", "lightning": "x", "deepspeed": "x", "runtime_s": 0.0, "quick": True,
+                        "commit": "x", "model": {}, "batch_size": 1, "steps": 1, "warmup": 0},
+               "gpu": {"note": "Not run"}}
+    written = write_all(tmp_path, results, plots=True)
+
+    assert [p.name for p in written] == ["results.json", "results.csv", "report.md"]
+    assert all(p.is_file() for p in written)
+    out = capsys.readouterr().out
+    assert out.count("pip install -e '.[bench]'") == 1 and "plots skipped" in out

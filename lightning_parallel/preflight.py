@@ -1,0 +1,134 @@
+"""Checks the entry point runs before any process starts, and the one error line a user sees.
+
+``lp-train`` builds the strategy and checks its layout against the world, the schedule against
+the pipeline size and the model against both in the launching process, in that order, so the
+first error is the cause. Messages name the settings as the user typed them
+(``strategy.pipeline_parallel_size=3``, ``trainer.devices=4``) and are printed once, as
+``lp-train: error: ...`` with exit code 2; the Python API raises ``ValueError`` as before.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_parallel.layout import ParallelLayout
+
+# How layout messages name each setting: the Hydra paths a user of ``lp-train`` types.
+SETTING_NAMES = {
+    "data_parallel": "strategy.data_parallel_size",
+    "pipeline_parallel": "strategy.pipeline_parallel_size",
+    "tensor_parallel": "strategy.tensor_parallel_size",
+    "devices": "trainer.devices",
+    "num_nodes": "trainer.num_nodes",
+}
+
+
+class ConfigError(ValueError):
+    """A configuration the entry point refuses before any process starts (printed once, exit code 2)."""
+
+
+def world_size_of(cfg: DictConfig) -> int:
+    """Processes in the run: ``trainer.devices x trainer.num_nodes`` (devices as a count)."""
+    devices = OmegaConf.to_container(cfg.trainer.devices) if OmegaConf.is_list(cfg.trainer.devices) else cfg.trainer.devices
+    if isinstance(devices, list):
+        devices = len(devices)
+    elif isinstance(devices, str) and re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*", devices):
+        devices = len([d for d in devices.split(",") if d.strip()]) if "," in devices else int(devices)
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(
+            f"trainer.devices={devices!r} is not a device count: give an explicit positive count (e.g. "
+            "trainer.devices=2) so the layout can be checked before processes start."
+        )
+    return devices * int(cfg.trainer.num_nodes)
+
+
+def layout_of(strategy: Any, world_size: int, num_nodes: int = 1) -> ParallelLayout:
+    """The layout a strategy will use: its own for the suite's strategies, data-parallel otherwise.
+
+    Errors name the settings as ``lp-train`` users type them (:data:`SETTING_NAMES`).
+    """
+    from lightning_parallel.parallel.options import ParallelOptions
+
+    options = getattr(strategy, "options", None)
+    if isinstance(options, ParallelOptions):
+        sizes = (options.data_parallel_size, options.pipeline_parallel_size, options.tensor_parallel_size)
+        return ParallelLayout.resolve(world_size, *sizes, names=SETTING_NAMES, num_nodes=num_nodes)
+    resolve = getattr(strategy, "resolve_layout", None)
+    if callable(resolve):
+        return resolve(world_size)
+    return ParallelLayout.resolve(world_size, data_parallel="auto", names=SETTING_NAMES, num_nodes=num_nodes)
+
+
+def qualified(message: str, prefix: str = "strategy.") -> str:
+    """``zero_stage=1`` -> ``strategy.zero_stage=1``: the strategy's argument names as the settings users type."""
+    from dataclasses import fields
+
+    from lightning_parallel.parallel.options import ParallelOptions
+
+    names = "|".join(f.name for f in fields(ParallelOptions))
+    return re.sub(rf"(?<![\w.'\"])({names})(?=\s?(?:[<>!]?=|[<>]))", rf"{prefix}\1", message)
+
+
+def _build_strategy(cfg: DictConfig) -> Any:
+    """The strategy object (a plain string such as ``ddp`` is passed to Lightning as it is)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    if isinstance(cfg.strategy, str):
+        return cfg.strategy
+    try:
+        return instantiate(cfg.strategy)
+    except InstantiationException as exc:
+        if isinstance(exc.__cause__, ValueError):
+            raise exc.__cause__ from None
+        raise
+
+
+def _check_model(cfg: DictConfig, strategy: Any, layout: ParallelLayout) -> None:
+    """Check the model against the layout (stages vs. layers, tensor size vs. heads) on the meta device."""
+    import torch
+    from hydra.utils import instantiate
+
+    from lightning_parallel.parallel.compose import check_module
+
+    options = getattr(strategy, "options", None)
+    if options is None or not (layout.pipeline_parallel_enabled or layout.tensor_parallel_enabled):
+        return
+    with torch.device("meta"):
+        model = instantiate(cfg.model)
+    check_module(model, layout, options)
+
+
+def preflight(cfg: DictConfig) -> tuple[Any, ParallelLayout]:
+    """Build the strategy and check its layout against the world and the model, before any process starts.
+
+    Raises:
+        ConfigError: the first thing that cannot work, in the order sizes, world, schedule, model.
+    """
+    try:
+        strategy = _build_strategy(cfg)
+        layout = layout_of(strategy, world_size_of(cfg), int(cfg.trainer.num_nodes))
+        _check_model(cfg, strategy, layout)
+    except ValueError as exc:
+        raise ConfigError(qualified(str(exc))) from exc
+    return strategy, layout
+
+
+def report_config_error(error: ConfigError) -> None:
+    """Print ``lp-train: error: ...`` once (rank 0 or the launching process) and exit with code 2.
+
+    In a multirun the error is raised instead, so that Hydra records the job as failed.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        raise error
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(f"lp-train: error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)

@@ -1,0 +1,131 @@
+"""Invalid layouts through the entry point: one clean error line naming the user's settings and a fix.
+
+Every case runs through ``lightning_parallel.train.main`` (Hydra compose, preflight, exit code) in
+one helper process, since each error comes before any rank starts; the issue's three cases also
+run through the installed ``lp-train`` command. No case may start a process or a step: a layout
+that was wrongly accepted would train (``trainer.max_steps=1``) and fail the assertions.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TINY = ["model=gpt_tiny", "trainer=cpu_test", "trainer.max_steps=1", "logger=none", "callbacks=none"]
+
+# (case, overrides, what the message must contain: the user's settings and values, then a remedy)
+CASES = [
+    ("hybrid_pp3_on_4", "strategy=hybrid trainer.devices=4 strategy.pipeline_parallel_size=3",
+     ["strategy.pipeline_parallel_size=3", "strategy.tensor_parallel_size=2", "trainer.devices=4", "4 processes"],
+     "Fix: sizes whose product divides 4"),
+    ("tensor_tp3_on_2", "strategy=tensor trainer.devices=2 strategy.tensor_parallel_size=3",
+     ["strategy.tensor_parallel_size=3", "trainer.devices=2", "2 processes"], "(trainer.devices=3)"),
+    ("pipeline_pp8_on_2", "strategy=pipeline trainer.devices=2 strategy.pipeline_parallel_size=8",
+     ["strategy.pipeline_parallel_size=8", "trainer.devices=2", "2 processes"], "(trainer.devices=8)"),
+    ("two_autos", "strategy=hybrid trainer.devices=4 strategy.pipeline_parallel_size=auto",
+     ["strategy.data_parallel_size='auto'", "strategy.pipeline_parallel_size='auto'", "trainer.devices=4"],
+     "give strategy.pipeline_parallel_size an explicit size (a divisor of 4: 1, 2, 4)"),
+    ("size_zero", "strategy=tensor trainer.devices=2 strategy.tensor_parallel_size=0",
+     ["strategy.tensor_parallel_size=0"], "pass a positive integer"),
+    ("size_not_integer", "strategy=tensor trainer.devices=2 strategy.tensor_parallel_size=1.5",
+     ["strategy.tensor_parallel_size=1.5"], "pass a positive integer"),
+    ("tp3_vs_4_heads", "strategy=tensor trainer.devices=3 strategy.tensor_parallel_size=3",
+     ["strategy.tensor_parallel_size=3", "4 heads"], "Sizes that divide every sharded dimension: 1, 2, 4"),
+    ("zero_stage_1_on_hybrid", "strategy=hybrid trainer.devices=4 strategy.zero_stage=1",
+     ["strategy.zero_stage=1"], "strategy=deepspeed_zero1"),
+    ("loss_parallel_without_tp", "strategy=hybrid trainer.devices=2 strategy.pipeline_parallel_size=2 "
+     "strategy.tensor_parallel_size=1 strategy.loss_parallel=true",
+     ["strategy.loss_parallel=True", "strategy.tensor_parallel_size=1"], "set strategy.tensor_parallel_size >= 2"),
+    ("interleaved_one_stage_per_rank", "strategy=pipeline trainer.devices=2 strategy.schedule=interleaved_1f1b",
+     ["strategy.schedule='interleaved_1f1b'", "strategy.stages_per_rank=1"], "set strategy.stages_per_rank >= 2"),
+    ("more_stages_than_layers", "strategy=pipeline trainer.devices=2 strategy.schedule=interleaved_1f1b "
+     "strategy.stages_per_rank=4", ["strategy.pipeline_parallel_size=2", "strategy.stages_per_rank=4", "8 stages"],
+     "strategy.stages_per_rank <= 2"),
+    ("too_few_microbatches", "strategy=pipeline trainer.devices=2 strategy.microbatches=1",
+     ["strategy.microbatches=1", "strategy.pipeline_parallel_size=2"], "Fix: strategy.microbatches >= 2"),
+    ("devices_not_a_count", "strategy=ddp trainer.devices=auto",
+     ["trainer.devices='auto'"], "e.g. trainer.devices=2"),
+    ("nodes_without_launcher", "strategy=ddp trainer.devices=2 trainer.num_nodes=2",
+     ["trainer.num_nodes=2"], "run under torchrun"),
+]
+ISSUE_CASES = ("hybrid_pp3_on_4", "tensor_tp3_on_2", "pipeline_pp8_on_2")
+MARK = "=== case "
+
+# Runs every case through the entry point's main() in one process (the import is the slow part).
+HELPER = f"""
+import json, sys
+from lightning_parallel import train
+for name, args in json.loads(sys.argv[1]):
+    print({MARK!r} + name, flush=True)
+    sys.argv = ["lp-train", *args]
+    try:
+        train.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    print({MARK!r} + name + " exit " + str(code), flush=True)
+"""
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
+
+
+def _args(overrides, run_dir):
+    return [*TINY, *overrides.split(), f"hydra.run.dir={run_dir}"]
+
+
+def _in_process(tmp_path):
+    cases = [(name, _args(over, tmp_path / name)) for name, over, _, _ in CASES]
+    result = subprocess.run([sys.executable, "-c", HELPER, json.dumps([[n, [str(a) for a in args]] for n, args in cases])],
+                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=300)
+    outputs = {}
+    for name, _, _, _ in CASES:
+        head, tail = f"{MARK}{name}\n", f"{MARK}{name} exit "
+        start, end = result.stdout.index(head) + len(head), result.stdout.index(tail)
+        code = result.stdout[end + len(tail):].split("\n", 1)[0]
+        outputs[name] = (int(code) if code.lstrip("-").isdigit() else code, result.stdout[start:end])
+    return outputs
+
+
+def _lp_train(name, overrides, tmp_path):
+    command = [str(Path(sys.executable).parent / "lp-train"), *_args(overrides, tmp_path / f"cli_{name}")]
+    result = subprocess.run(command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, timeout=300)
+    return result.returncode, result.stdout
+
+
+def _assert_one_clean_error(name, code, output, settings, remedy):
+    assert code == 2, f"{name}: exit {code}\n{output[-3000:]}"
+    lines = [line for line in output.splitlines() if line.startswith("lp-train: error: ")]
+    assert len(lines) == 1, f"{name}: expected one error line\n{output[-3000:]}"
+    message = lines[0]
+    assert output.count(message[len("lp-train: error: "):]) == 1, f"{name}: message printed twice\n{output}"
+    assert "Traceback" not in output, f"{name}: traceback instead of a clean message\n{output[-3000:]}"
+    for setting in settings:
+        assert setting in message, f"{name}: {setting!r} missing from {message!r}"
+    assert remedy in message, f"{name}: remedy {remedy!r} missing from {message!r}"
+
+
+@pytest.mark.timeout(420)
+def test_invalid_layouts_fail_once_naming_the_settings_the_world_and_a_fix(tmp_path):
+    assert len(CASES) >= 10
+    expected = {name: (settings, remedy) for name, _, settings, remedy in CASES}
+    with ThreadPoolExecutor(max_workers=len(ISSUE_CASES) + 1) as pool:
+        in_process = pool.submit(_in_process, tmp_path)
+        cli = {name: pool.submit(_lp_train, name, over, tmp_path) for name, over, _, _ in CASES if name in ISSUE_CASES}
+        results = {name: future.result() for name, future in cli.items()}
+        outputs = in_process.result()
+    for name, (code, output) in outputs.items():
+        _assert_one_clean_error(name, code, output, *expected[name])
+    for name, (code, output) in results.items():
+        _assert_one_clean_error(f"lp-train {name}", code, output, *expected[name])
+    # Nothing was launched or trained: no rank folders, no checkpoints.
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob(".lp"))
