@@ -24,7 +24,10 @@ from lightning_parallel.preflight import world_size_of as world_size_of
 from lightning_parallel.scaling import EffectiveHparams, Reference, rescale_for_layout
 from lightning_parallel.sweep_summary import METRICS_FILE
 
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+# The Hydra configs: inside the package once installed (the wheel carries conf/ as lightning_parallel/conf),
+# else conf/ beside the package (a source checkout, editable or not).
+_PACKAGE = Path(__file__).resolve().parent
+CONFIG_DIR = str(_PACKAGE / "conf" if (_PACKAGE / "conf" / "config.yaml").is_file() else _PACKAGE.parent / "conf")
 
 
 def _select(cfg: DictConfig, path: str) -> Any:

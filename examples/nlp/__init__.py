@@ -1,6 +1,6 @@
 """NLP recipe: a small GPT-style decoder trained on byte-level text that ships with Python."""
 
-from examples.nlp.data import TextDataModule
-from examples.nlp.model import GPT
+from .data import TextDataModule
+from .model import GPT
 
 __all__ = ["GPT", "TextDataModule"]

@@ -1,6 +1,6 @@
 """Recommendation recipe: a DLRM-style click model with row-sharded embedding tables, on a synthetic click log."""
 
-from examples.recsys.data import ClickDataModule
-from examples.recsys.model import DLRM
+from .data import ClickDataModule
+from .model import DLRM
 
 __all__ = ["DLRM", "ClickDataModule"]

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from examples.optimization import weight_decay_groups, with_warmup_cosine
+from ..optimization import weight_decay_groups, with_warmup_cosine
 
 
 def mlp(widths: Sequence[int], last_activation: bool) -> nn.Sequential:

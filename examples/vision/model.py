@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from examples.optimization import weight_decay_groups, with_warmup_cosine
-from examples.transformer import Block
+from ..optimization import weight_decay_groups, with_warmup_cosine
+from ..transformer import Block
 
 
 class PatchEmbedding(nn.Module):

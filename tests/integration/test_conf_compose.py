@@ -29,7 +29,8 @@ def test_every_group_has_options():
 def test_option_composes_and_resolves(group, option):
     if group == "hparams_search":
         pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e '.[sweep]'")
-    cfg = _compose([f"{group}={option}"])
+    # compare/ is not in lp-train's defaults (lp-compare adds it), so it composes as an addition.
+    cfg = _compose([f"{'+' if group == 'compare' else ''}{group}={option}"])
     container = OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     assert container["trainer"]["_target_"] == "lightning.pytorch.Trainer"
     if group == "strategy":

@@ -1,0 +1,181 @@
+"""``lp-compare``: the same experiment under several layouts, compared step by step with the first.
+
+``lp-compare experiment=nlp_gpt compare.layouts='[single:1,pipeline:2,tensor:2,hybrid:4]' compare.steps=10``
+composes ``lp-train``'s config (``conf/``, the same overrides) once per layout -- each entry a
+``conf/strategy/`` name and a device count -- checks it with :func:`~lightning_parallel.preflight.preflight`,
+and runs :func:`~lightning_parallel.testing.compare.compare_layouts` on it. Every layout trains on
+the same global batch (``compare.global_batch_size``; the per-rank ``data.batch_size`` is derived
+from each layout's data-parallel size) in the same order, with the configured lr and schedule as
+they are (no rescaling: ``scaling`` is ignored), and nothing is written (no logger, no checkpoints,
+no validation). It prints the per-step table and exits 1 when a layout is beyond ``compare.tolerance``
+(2 for a configuration error).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Optional
+
+import hydra
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from lightning_parallel.preflight import ConfigError, preflight
+from lightning_parallel.train import CONFIG_DIR
+
+# Trainer settings of the composed config that change the optimisation, passed to every layout.
+TRAINER_KEYS = ("precision", "gradient_clip_val", "gradient_clip_algorithm", "accumulate_grad_batches")
+# The command line's strategy.* overrides, applied per layout (see main()).
+_STRATEGY_OVERRIDES: list[str] = []
+
+
+def parse_layout(entry: str) -> tuple[str, int]:
+    """``"pipeline:2"`` -> ``("pipeline", 2)``: a ``conf/strategy/`` name and a device count."""
+    name, sep, devices = str(entry).rpartition(":")
+    if not sep or not name or not devices.strip().isdigit() or int(devices) < 1:
+        raise ConfigError(f"compare.layouts entry {entry!r} is not NAME:DEVICES (e.g. pipeline:2, a conf/strategy/ name).")
+    return name.strip(), int(devices)
+
+
+@dataclass(frozen=True)
+class ConfigData:
+    """Builds the config's data module with the per-rank batch of a layout (picklable, for the ranks).
+
+    Args:
+        data: the resolved ``data`` config (``_target_`` and arguments).
+        global_batch_size: samples per optimizer step across the data-parallel ranks.
+    """
+
+    data: dict
+    global_batch_size: int
+
+    def __call__(self, layout: Any) -> Any:
+        from hydra.utils import instantiate
+
+        return instantiate({**self.data, "batch_size": self.global_batch_size // layout.data_parallel})
+
+
+def _instantiate(config: Any) -> Any:
+    from hydra.utils import instantiate
+
+    return instantiate(config)
+
+
+def _user_overrides() -> list[str]:
+    """The command line's overrides, without the strategy and device choices each layout makes."""
+    from hydra.core.hydra_config import HydraConfig
+
+    skip = ("strategy=", "trainer.devices=", "compare=", "compare.")
+    return [o for o in HydraConfig.get().overrides.task if not o.lstrip("+~").startswith(skip)] + _STRATEGY_OVERRIDES
+
+
+def compose_layout(name: str, devices: int, overrides: list[str], output_dir: str) -> DictConfig:
+    """The config ``lp-train`` would run for ``strategy=name trainer.devices=devices`` plus the user's overrides.
+
+    ``strategy.*`` overrides apply only where the strategy is an object (not ``single``'s ``auto``).
+    """
+    from hydra import compose
+
+    base = [o for o in overrides if not o.lstrip("+~").startswith("strategy.")]
+    fixed = [f"strategy={name}", f"trainer.devices={devices}", f"paths.output_dir={output_dir}"]
+    try:
+        cfg = compose("config", overrides=[*base, *fixed])
+        if not isinstance(cfg.strategy, str) and len(base) < len(overrides):
+            cfg = compose("config", overrides=[*overrides, *fixed])
+    except Exception as exc:  # noqa: BLE001 - Hydra's own errors (unknown group option, bad key) name the fix
+        raise ConfigError(f"layout {name}:{devices}: {exc}") from exc
+    return cfg
+
+
+def _accelerator(cfg: DictConfig) -> str:
+    import torch
+
+    accelerator = str(cfg.trainer.accelerator)
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if accelerator == "gpu" else accelerator
+
+
+def build_layouts(cfg: DictConfig, output_dir: str) -> tuple[list[Any], DictConfig]:
+    """One :class:`~lightning_parallel.testing.compare.Layout` per ``compare.layouts`` entry (checked
+    with ``preflight``), and the reference layout's config."""
+    from lightning_parallel.testing.compare import Layout
+
+    overrides, layouts, reference = _user_overrides(), [], None
+    for entry in cfg.compare.layouts:
+        name, devices = parse_layout(entry)
+        layout_cfg = compose_layout(name, devices, overrides, output_dir)
+        strategy, parallel_layout = preflight(layout_cfg)
+        if reference is None:
+            reference = (layout_cfg, parallel_layout)
+        config = strategy if isinstance(strategy, str) else OmegaConf.to_container(layout_cfg.strategy, resolve=True)
+        factory = config if isinstance(config, str) else partial(_instantiate, config)
+        layouts.append(Layout(factory, devices, name=f"{name}:{devices}"))
+    return layouts, reference
+
+
+def _global_batch(cfg: DictConfig, reference_dp: int) -> int:
+    configured = cfg.compare.get("global_batch_size")
+    return int(configured) if configured else int(cfg.data.batch_size) * reference_dp
+
+
+def _tolerance(cfg: DictConfig) -> Any:
+    value = cfg.compare.tolerance
+    return "auto" if str(value) == "auto" else float(value)
+
+
+def run_comparison(cfg: DictConfig) -> Any:
+    """Compose every layout, run the comparison, print its tables; returns the :class:`LayoutComparison`."""
+    import time
+
+    from lightning_parallel.testing.compare import compare_layouts
+
+    output_dir = tempfile.mkdtemp(prefix="lp-compare-")
+    layouts, (ref_cfg, ref_layout) = build_layouts(cfg, output_dir)
+    global_batch = _global_batch(cfg, ref_layout.data_parallel)
+    data = OmegaConf.to_container(ref_cfg.data, resolve=True)
+    trainer_kwargs = {k: ref_cfg.trainer[k] for k in TRAINER_KEYS if ref_cfg.trainer.get(k) is not None}
+    module_factory = partial(_instantiate, OmegaConf.to_container(ref_cfg.model, resolve=True))
+    started = time.monotonic()
+    result = compare_layouts(
+        module_factory, ConfigData(data, global_batch), layouts, int(cfg.compare.steps), _tolerance(cfg),
+        trainer_kwargs=trainer_kwargs, seed=int(cfg.seed), accelerator=_accelerator(ref_cfg),
+        timeout=float(cfg.compare.timeout), trace=bool(cfg.compare.get("trace", False)),
+    )
+    result.notes.append(f"lp-compare: {len(layouts)} layouts x {cfg.compare.steps} steps, global batch {global_batch}, "
+                        f"{time.monotonic() - started:.1f}s")
+    result.print()
+    return result
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+def _main(cfg: DictConfig) -> Optional[bool]:
+    with open_dict(cfg):
+        cfg.setdefault("compare", OmegaConf.load(f"{CONFIG_DIR}/compare/default.yaml"))
+    try:
+        result = run_comparison(cfg)
+    except ConfigError as error:
+        print(f"lp-compare: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if not result:
+        sys.exit(1)
+    return True
+
+
+def main() -> None:
+    """Console entry point (``lp-compare``): ``lp-train``'s config plus the ``compare`` group.
+
+    ``strategy.*`` overrides are set aside here and applied per layout (:func:`compose_layout`): the
+    config's default strategy (e.g. ``ddp``) may not have the setting every other layout has.
+    """
+    _STRATEGY_OVERRIDES[:] = [arg for arg in sys.argv[1:] if arg.lstrip("+~").startswith("strategy.")]
+    sys.argv[1:] = [arg for arg in sys.argv[1:] if arg not in _STRATEGY_OVERRIDES]
+    if not any(arg.lstrip("+").startswith("compare=") for arg in sys.argv[1:]):
+        sys.argv.insert(1, "+compare=default")
+    _main()
+
+
+if __name__ == "__main__":
+    main()

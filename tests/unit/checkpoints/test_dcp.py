@@ -1,0 +1,87 @@
+"""The suite's DCP folder on one process: exact round trip, atomic replacement, crash fallback, refusals."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+from torch.distributed.checkpoint import CheckpointException
+
+from lightning_parallel.checkpoints import (
+    METADATA_FILE,
+    CheckpointRefused,
+    is_sharded_checkpoint,
+    load_sharded_checkpoint,
+    partial_path,
+    resolve_checkpoint,
+    save_on_one_process,
+)
+from lightning_parallel.testing.models import ResidualMLP
+
+from .conftest import LIGHTNING_STATE, STEPS, WIDTH
+
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+              pytest.mark.filterwarnings("ignore:Detected pickle protocol")]  # the tampered meta.pt
+
+
+def _fresh(seed: int = 1) -> tuple[ResidualMLP, torch.optim.Optimizer]:
+    module = ResidualMLP(width=WIDTH, depth=2, optimizer="adamw", seed=seed)
+    return module, module.configure_optimizers()
+
+
+def test_weights_optimizer_state_and_lightning_state_round_trip_exactly(dcp_folder):
+    path, source, source_optim = dcp_folder
+    assert is_sharded_checkpoint(path) and not partial_path(path).exists()
+    module, optim = _fresh()
+    meta = load_sharded_checkpoint(path, module, [optim])
+    assert meta == LIGHTNING_STATE
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(value, source.state_dict()[name], rtol=0, atol=0)
+    by_name = dict(source.named_parameters())
+    for name, param in module.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(optim.state[param][key], source_optim.state[by_name[name]][key], rtol=0, atol=0)
+        assert float(optim.state[param]["step"]) == STEPS
+    assert optim.param_groups[0]["lr"] == source_optim.param_groups[0]["lr"]  # a byte entry, read weights_only
+
+
+def test_saving_again_replaces_the_folder_and_leaves_no_hidden_folders(dcp_folder):
+    path, module, _ = dcp_folder
+    save_on_one_process(path, {"state_dict": module.state_dict()}, {"global_step": 99})
+    assert torch.load(path / METADATA_FILE, weights_only=True) == {"global_step": 99}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]
+
+
+def test_a_stale_partial_folder_is_dropped_before_writing(dcp_folder):
+    path, module, _ = dcp_folder
+    partial_path(path).mkdir()
+    (partial_path(path) / "junk").write_text("left by a crash")
+    save_on_one_process(path, {"state_dict": module.state_dict()}, {})
+    assert not partial_path(path).exists() and not (path / "junk").exists()
+
+
+def test_a_crash_between_the_two_renames_falls_back_to_the_previous_checkpoint(dcp_folder):
+    path, _, _ = dcp_folder
+    old = path.with_name(f".{path.name}.old")
+    path.rename(old)  # what commit() leaves if it dies after moving the old folder away
+    assert resolve_checkpoint(path) == old and is_sharded_checkpoint(resolve_checkpoint(path))
+    assert resolve_checkpoint(old) == old
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/lightning_parallel_pwned_unit",))
+
+
+@pytest.mark.parametrize("target", [METADATA_FILE, ".metadata"])
+def test_a_malicious_pickle_is_refused_without_running_it(dcp_folder, target):
+    path, _, _ = dcp_folder
+    with open(path / target, "wb") as f:
+        pickle.dump(_Payload(), f)
+    module, optim = _fresh()
+    # meta.pt: CheckpointRefused itself; .metadata: DCP reports it inside its CheckpointException.
+    with pytest.raises(CheckpointRefused if target == METADATA_FILE else CheckpointException, match="Refusing"):
+        load_sharded_checkpoint(path, module, [optim])
+    assert not os.path.exists("/tmp/lightning_parallel_pwned_unit")
