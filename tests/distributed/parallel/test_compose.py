@@ -99,7 +99,7 @@ def test_parallelize_without_a_trainer_matches_one_process(sizes, zero_stage):
     for rank, result in enumerate(results):
         assert max_abs_difference(result["losses"], result["reference"]) < TOL, (rank, result)
         if sizes[2] > 1:
-            assert "lm_head" in result["plan"] and any(name.startswith("blocks.") for name in result["plan"])
+            assert {"blocks.0.attn.q", "blocks.0.attn.out", "blocks.1.mlp"} <= set(result["plan"])
         if sizes[1] > 1:
             # gpipe on 2 ranks, uniform partition: rank p holds stage p of 2.
             assert len(result["bounds"]) == 3 and result["stage_ids"] == ((rank // sizes[2]) % 2,)
