@@ -63,6 +63,7 @@ def test_a_malformed_layout_is_a_config_error(tmp_path):
     assert code == 2 and "lp-compare: error: compare.layouts entry 'pipeline' is not NAME:DEVICES" in out, out[-3000:]
 
 
+@pytest.mark.extended  # ~60 s: three layouts plus an fp32 reference launch
 def test_bf16_derives_its_tolerance_from_the_reference_and_passes_on_an_honest_model(tmp_path):
     args = [*TINY, "trainer.precision=bf16-mixed", "compare.tolerance=auto", "compare.layouts=[single:1,pipeline:2]",
             "compare.steps=5"]

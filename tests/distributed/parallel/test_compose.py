@@ -89,8 +89,9 @@ def _run(rank: int, world_size: int, sizes, zero_stage) -> dict:
 
 @pytest.mark.parametrize(
     ("sizes", "zero_stage"),
-    [((1, 2, 1), 0), ((1, 1, 2), 0), ((2, 1, 1), 0), ((2, 1, 1), 3), ((1, 2, 2), 0), ((2, 2, 1), 2)],
-    ids=["pp2", "tp2", "dp2", "dp2-zero3", "pp2xtp2", "dp2xpp2-zero2"],
+    # pp2 and tp2 alone are covered by pp2xtp2 (and by the strategy parity tests); kept short for the suite's budget.
+    [((2, 1, 1), 0), ((2, 1, 1), 3), ((1, 2, 2), 0), ((2, 2, 1), 2)],
+    ids=["dp2", "dp2-zero3", "pp2xtp2", "dp2xpp2-zero2"],
 )
 def test_parallelize_without_a_trainer_matches_one_process(sizes, zero_stage):
     world = sizes[0] * sizes[1] * sizes[2]
