@@ -46,6 +46,7 @@ def test_summed_microbatch_losses_are_reported_with_exit_code_1_and_traced_to_th
     assert "(gradient," in out and "gradient norm ratio 4.0000" in out
 
 
+@pytest.mark.extended  # ~40 s; the summed-micro-batch test covers tracing in the default run
 def test_an_unsynchronised_norm_weight_under_sequence_parallel_is_traced_to_that_norm(tmp_path):
     bug = "model._target_=tests.integration.compare_models.UnsyncedNormGPT"
     args = [*TINY, bug, "strategy.sequence_parallel=true", "compare.layouts=[single:1,tensor:2]", "compare.steps=3",
