@@ -52,15 +52,9 @@ def layout_of(strategy: Any, world_size: int, num_nodes: int = 1) -> ParallelLay
 
     Errors name the settings as ``lp-train`` users type them (:data:`SETTING_NAMES`).
     """
-    from lightning_parallel.parallel.options import ParallelOptions
-
-    options = getattr(strategy, "options", None)
-    if isinstance(options, ParallelOptions):
-        sizes = (options.data_parallel_size, options.pipeline_parallel_size, options.tensor_parallel_size)
-        return ParallelLayout.resolve(world_size, *sizes, names=SETTING_NAMES, num_nodes=num_nodes)
     resolve = getattr(strategy, "resolve_layout", None)
     if callable(resolve):
-        return resolve(world_size)
+        return resolve(world_size, names=SETTING_NAMES, num_nodes=num_nodes)
     return ParallelLayout.resolve(world_size, data_parallel="auto", names=SETTING_NAMES, num_nodes=num_nodes)
 
 

@@ -117,11 +117,19 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._executor: executors.DirectExecutor = executors.DirectExecutor()
 
     # --- layout ----------------------------------------------------------------------
-    def resolve_layout(self, world_size: int) -> ParallelLayout:
-        """The data x pipeline x tensor layout for ``world_size`` ranks (no processes needed)."""
+    def resolve_layout(
+        self, world_size: int, names: Optional[dict[str, str]] = None, num_nodes: Optional[int] = None
+    ) -> ParallelLayout:
+        """The data x pipeline x tensor layout for ``world_size`` ranks (no processes needed).
+
+        Args:
+            world_size: processes in the run.
+            names: how errors spell the settings (default: this strategy's argument names).
+            num_nodes: nodes in the run, for the messages (default: the strategy's).
+        """
         o = self.options
         return ParallelLayout.resolve(world_size, o.data_parallel_size, o.pipeline_parallel_size, o.tensor_parallel_size,
-                                      names=_SIZE_NAMES, num_nodes=self.num_nodes)
+                                      names=names or _SIZE_NAMES, num_nodes=num_nodes or self.num_nodes)
 
     def startup_rows(self, layout: ParallelLayout) -> dict[str, str]:
         """Strategy rows of the start-up table (see :mod:`lightning_parallel.report`)."""
