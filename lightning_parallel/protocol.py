@@ -13,6 +13,11 @@ this suite, which use them to split the model:
   under another layout.
 * ``pipeline_loss(output, target)`` -- the scalar *mean* loss of one (micro)batch, so that
   the mean over equal micro-batches is the loss of the whole batch.
+* ``pipeline_loss_terms(output, target)`` -- optional, preferred over ``pipeline_loss``
+  wherever items carry unequal weight (padding, ``-100`` labels, prompt masking): returns
+  ``(loss_sum, num_items)`` of one (micro)batch, and the suite takes the loss of a global
+  batch as ``sum(loss_sum) / sum(num_items)`` over all its micro-batches and data-parallel
+  ranks -- the single-process loss -- instead of averaging per-micro-batch means.
 * ``pipeline_split_batch(batch)`` -- how a batch splits into model input and target
   (default: an ``(inputs, targets)`` pair).
 * ``tensor_parallel_plan()`` -- submodule names (fnmatch globs such as ``"blocks.*.mlp.up"``
