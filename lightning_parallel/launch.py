@@ -4,10 +4,13 @@ Note:
     Lightning's own subprocess launcher re-runs ``sys.argv`` for ranks 1..N-1. Under a
     Hydra multirun (``-m strategy=ddp trainer.devices=1,2``) that would make every child
     run the whole sweep again (hydra#2070, lightning-hydra-template#393). Here each job of
-    a sweep starts its own children from that job's *resolved* config, written into the
-    job's output folder, so the children run exactly that one job in the same folder.
-    Rank 0 is the current process; it gets the same environment ``torchrun`` would give,
-    so Lightning sees the processes as externally launched and does not launch again.
+    a sweep starts its own children from that job's *resolved* config, written to
+    ``.lp/<run id>/config.yaml`` in the job's folder; each child checks that file's run id and
+    SHA-256 (from its environment) before using it, so it runs exactly that one job, never a
+    file another run wrote. Rank 0 is the current process; it gets the same environment
+    ``torchrun`` would give, so Lightning sees the processes as externally launched and does
+    not launch again. Children run in their own session (a terminal's Ctrl-C reaches the
+    launcher, which forwards it once to each: :mod:`lightning_parallel.signals`) and die with it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from lightning_parallel import signals
+from lightning_parallel.run_folder import ENV_CONFIG_SHA, ENV_RUN_ID, verify_rank_config, write_rank_config
 
 _RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_RANK", "RANK", "LOCAL_WORLD_SIZE")
 
@@ -66,7 +72,10 @@ def processes_to_launch(devices: Any, num_nodes: int) -> int:
 
 
 class _ChildWatcher(threading.Thread):
-    """Kills the whole run if a child rank dies: the others would wait for it forever."""
+    """Kills the whole run if a child rank dies: the others would wait for it forever.
+
+    A child that exits during a stop (SIGINT/SIGTERM, :mod:`lightning_parallel.signals`) is expected.
+    """
 
     def __init__(self, children: list[subprocess.Popen]) -> None:
         super().__init__(daemon=True, name="lp-child-watcher")
@@ -74,11 +83,12 @@ class _ChildWatcher(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        while not self.stopped.wait(2.0):
+        while not self.stopped.wait(1.0):
             failed = [(i + 1, c.returncode) for i, c in enumerate(self.children) if c.poll() not in (None, 0)]
-            if failed:
+            if failed and not signals.stop_requested():
                 rank, code = failed[0]
-                print(f"[lightning_parallel] rank {rank} exited with code {code}; stopping all ranks.", file=sys.stderr)
+                print(f"lp-train: rank {rank} exited with code {code}; stopping all ranks "
+                      f"(its error is above, and in rank{rank}.log).", file=sys.stderr, flush=True)
                 for child in self.children:
                     if child.poll() is None:
                         child.kill()
@@ -104,19 +114,41 @@ def restored_rank_environment() -> Iterator[None]:
                 os.environ[key] = value
 
 
+def _start_child(rank: int, config_dir: Path, run_dir: Path, env: dict[str, str]) -> subprocess.Popen:
+    """Start local rank ``rank`` on the per-run configuration in ``config_dir``."""
+    command = [
+        sys.executable, "-m", "lightning_parallel.train",
+        f"--config-path={config_dir}", "--config-name=config",
+        # Quoted: sweep folders carry '=' and ',' from the overrides, which Hydra's grammar would parse.
+        f"hydra.run.dir='{run_dir}'", "hydra.output_subdir=null", f"hydra.job.name=rank{rank}",
+    ]  # fmt: skip
+    # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once to every rank.
+    return subprocess.Popen(command, env=env, start_new_session=True)
+
+
+def _stop_children(children: list[subprocess.Popen], timeout: float) -> None:
+    """Wait for the children up to ``timeout`` seconds in all, then kill those still running."""
+    deadline = time.monotonic() + timeout
+    for child in children:
+        try:
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
 @contextmanager
-def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int) -> Iterator[None]:
+def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int, run_id: str) -> Iterator[None]:
     """Start ranks 1..nprocs-1 as children and make this process rank 0 for the duration.
 
     Args:
-        cfg: the job's composed config (resolved and written to ``run_dir/.lp/config.yaml``).
+        cfg: the job's composed config (resolved and written to ``run_dir/.lp/<run_id>/config.yaml``).
         run_dir: the job's output folder, shared by all ranks.
         nprocs: number of processes on this node.
+        run_id: the run's id: the children check that their configuration file carries it.
     """
-    config_dir = run_dir / ".lp"
-    config_dir.mkdir(parents=True, exist_ok=True)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    (config_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    resolved = OmegaConf.to_yaml(OmegaConf.to_container(cfg, resolve=True))
+    config_dir, sha256 = write_rank_config(run_dir, run_id, resolved)
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nprocs))
     rank_env = {
         "MASTER_ADDR": "127.0.0.1",
@@ -125,30 +157,41 @@ def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int) -> Iterator[None]:
         "LOCAL_WORLD_SIZE": str(nprocs),
         "NODE_RANK": "0",
     }
+    identity = {ENV_RUN_ID: run_id, ENV_CONFIG_SHA: sha256, "LP_PARENT_PID": str(os.getpid())}
     children = []
     for rank in range(1, nprocs):
-        env = {**os.environ, **rank_env, "LOCAL_RANK": str(rank), "RANK": str(rank), "OMP_NUM_THREADS": threads}
-        command = [
-            sys.executable, "-m", "lightning_parallel.train",
-            f"--config-path={config_dir}", "--config-name=config",
-            # Quoted: sweep folders carry '=' and ',' from the overrides, which Hydra's grammar would parse.
-            f"hydra.run.dir='{run_dir}'", "hydra.output_subdir=null", f"hydra.job.name=rank{rank}",
-        ]  # fmt: skip
-        children.append(subprocess.Popen(command, env=env))
+        env = {**os.environ, **rank_env, **identity, "LOCAL_RANK": str(rank), "RANK": str(rank), "OMP_NUM_THREADS": threads}
+        children.append(_start_child(rank, config_dir, run_dir, env))
+    shutdown = signals.current()
+    if shutdown is not None:
+        shutdown.children = children
     os.environ.update({**rank_env, "LOCAL_RANK": "0", "RANK": "0", "OMP_NUM_THREADS": threads})
     watcher = _ChildWatcher(children)
     watcher.start()
     try:
         yield
+    except BaseException:
+        watcher.stopped.set()
+        # Rank 0 failed: the others wait in a collective for it; a short grace, then kill.
+        _stop_children(children, timeout=3.0)
+        raise
     finally:
         watcher.stopped.set()
-        deadline = time.monotonic() + 120
-        for child in children:
-            try:
-                child.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+        # After a stop the checkpoint is written: what the ranks still do is teardown, not worth waiting for.
+        _stop_children(children, timeout=5.0 if signals.stop_requested() else 60.0)
+        if shutdown is not None:
+            shutdown.children = []
     failed = [(i + 1, c.returncode) for i, c in enumerate(children) if c.returncode != 0]
-    if failed:
+    if failed and not signals.stop_requested():
         raise RuntimeError(f"Ranks exited with errors (rank, code): {failed}; see their output above.")
+
+
+def check_rank_config() -> None:
+    """In a child rank: refuse a configuration file that is not the one the launcher wrote for this run."""
+    if ENV_CONFIG_SHA not in os.environ:
+        return
+    if "LP_PARENT_PID" in os.environ:
+        signals.die_with_parent(int(os.environ["LP_PARENT_PID"]))
+    config_dir = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--config-path=")), None)
+    if config_dir is not None:
+        verify_rank_config(Path(config_dir), os.environ[ENV_RUN_ID], os.environ[ENV_CONFIG_SHA])

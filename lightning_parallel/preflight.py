@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -98,13 +98,84 @@ def _check_model(cfg: DictConfig, strategy: Any, layout: ParallelLayout) -> None
     check_module(model, layout, options)
 
 
-def preflight(cfg: DictConfig) -> tuple[Any, ParallelLayout]:
-    """Build the strategy and check its layout against the world and the model, before any process starts.
+def trainer_arguments() -> list[str]:
+    """The arguments ``lightning.pytorch.Trainer`` takes (what ``trainer.*`` may set)."""
+    import inspect
+
+    from lightning.pytorch import Trainer
+
+    return [name for name in inspect.signature(Trainer.__init__).parameters if name != "self"]
+
+
+def unknown_trainer_key(key: str, value: str = "<value>") -> Optional[str]:
+    """The error for ``trainer.<key>`` that the Trainer does not take, with the closest names; None when it does.
+
+    Args:
+        key: the name after ``trainer.``.
+        value: the value given (shown in the suggestion).
+    """
+    import difflib
+
+    known = trainer_arguments()
+    if key in known or key.startswith("_"):
+        return None
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    hint = f"did you mean trainer.{close[0]}={value}?" if close else "see lightning.pytorch.Trainer's arguments"
+    others = f" (also close: {', '.join(close[1:])})" if len(close) > 1 else ""
+    return f"trainer.{key} is not a Trainer argument: {hint}{others}"
+
+
+def check_trainer_overrides(overrides: list[str]) -> None:
+    """Refuse ``trainer.<key>=...`` overrides the Trainer does not take, before Hydra composes anything.
 
     Raises:
-        ConfigError: the first thing that cannot work, in the order sizes, world, schedule, model.
+        ConfigError: an unknown key, with "did you mean".
+    """
+    for override in overrides:
+        match = re.fullmatch(r"[+~]{0,2}trainer\.([A-Za-z_][\w]*)(?:=(.*))?", override)
+        if match:
+            problem = unknown_trainer_key(match.group(1), match.group(2) or "<value>")
+            if problem:
+                raise ConfigError(problem)
+
+
+def _check_trainer(cfg: DictConfig) -> None:
+    """Unknown Trainer keys (from a config file) and an accelerator this machine does not have."""
+    for key in cfg.trainer:
+        problem = unknown_trainer_key(str(key))
+        if problem:
+            raise ValueError(problem)
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    if accelerator in ("auto", "cpu"):
+        return
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    name = "cuda" if accelerator == "gpu" else accelerator
+    if name not in AcceleratorRegistry:
+        known = ", ".join(sorted(AcceleratorRegistry.available_accelerators()))
+        raise ValueError(f"trainer.accelerator={accelerator} is not an accelerator Lightning knows ({known}, auto)")
+    if not AcceleratorRegistry.get(name).is_available():
+        raise ValueError(f"trainer.accelerator={accelerator}, but this machine has no {name} device: "
+                         f"use trainer.accelerator=cpu (or auto, which picks what is there)")
+
+
+def _check_data(cfg: DictConfig) -> None:
+    """A ``data.path`` that does not exist fails here, not inside every rank."""
+    path = cfg.get("data", {}).get("path") if OmegaConf.is_dict(cfg.get("data")) else None
+    if path is not None and not os.path.exists(str(path)):
+        raise ValueError(f"data.path={path} does not exist (looked from {os.getcwd()}): give an existing "
+                         "file or folder, or data.path=null for the built-in data")
+
+
+def preflight(cfg: DictConfig) -> tuple[Any, ParallelLayout]:
+    """Build the strategy and check the trainer, data, layout and model, before any process starts.
+
+    Raises:
+        ConfigError: the first thing that cannot work, in the order trainer, data, sizes, world, schedule, model.
     """
     try:
+        _check_trainer(cfg)
+        _check_data(cfg)
         strategy = _build_strategy(cfg)
         layout = layout_of(strategy, world_size_of(cfg), int(cfg.trainer.num_nodes))
         _check_model(cfg, strategy, layout)
@@ -117,6 +188,9 @@ def report_config_error(error: ConfigError) -> None:
     """Print ``lp-train: error: ...`` once (rank 0 or the launching process) and exit with code 2.
 
     In a multirun the error is raised instead, so that Hydra records the job as failed.
+
+    Args:
+        error: the error (its traceback goes to the run's log file, not the console).
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode

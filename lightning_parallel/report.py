@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Optional
 
 from rich.console import Console
@@ -10,11 +12,12 @@ from rich.table import Table
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.scaling import EffectiveHparams
+from lightning_parallel.sweep_summary import METRICS_FILE
 
 
 def _table(title: str, rows: list[tuple[str, str]]) -> Table:
     table = Table(title=title, show_header=False, title_justify="left")
-    table.add_column("what", style="bold")
+    table.add_column("what", style="bold", no_wrap=True)
     table.add_column("value")
     for key, value in rows:
         table.add_row(key, value)
@@ -79,8 +82,13 @@ def scaling_rows(hparams: EffectiveHparams, reference: Optional[Mapping[str, Any
 
 
 def print_table(title: str, rows: list[tuple[str, str]], console: Optional[Console] = None) -> None:
-    """Print a two-column table (rank 0 only: the caller decides)."""
-    (console or Console(width=140)).print(_table(title, rows))
+    """Print a two-column table (rank 0 only: the caller decides); the run's log file gets it too."""
+    from lightning_parallel.run_start import log_to_file
+
+    console = console or Console(width=140, record=True)
+    console.print(_table(title, rows))
+    if console.record:
+        log_to_file(console.export_text())
 
 
 def rank_map_rows(layout: ParallelLayout, limit: int = 16) -> dict[str, str]:
@@ -100,4 +108,110 @@ def rank_map_rows(layout: ParallelLayout, limit: int = 16) -> dict[str, str]:
         shown = " ".join(str(list(g)) for g in groups[:limit]) + (" ..." if len(groups) > limit else "")
         rows[label] = shown
     rows["rank -> (data, pipeline, tensor)"] = " ".join(f"{r}:{tuple(c)}" for r, c in layout.rank_map()[: limit * 2])
+    return rows
+
+
+def log_final_hparams(logger: Any, summary: dict[str, Any], metrics: dict[str, float]) -> None:
+    """Log the layout and effective hyperparameters with the final metrics (TensorBoard's HParams tab).
+
+    Args:
+        logger: the run's Lightning logger.
+        summary: :func:`run_summary` of the run.
+        metrics: the final metrics.
+    """
+    params = {k: summary[k] for k in ("strategy", "devices", "num_nodes", "world_size", "layout")}
+    params.update({f"effective/{k}": v for k, v in summary["effective"].items()})
+    params.update({f"reference/{k}": v for k, v in summary["reference"].items() if v is not None})
+    wanted = ("val_loss", "train_loss", "throughput/samples_per_sec", "throughput/tokens_per_sec")
+    final = {f"hp/{k.split('/')[-1]}": metrics[k] for k in wanted if k in metrics}
+    if final:
+        logger.log_hyperparams(params, metrics=final)
+        # fit() already closed the writer; this write reopened it, so close it again to flush.
+        logger.finalize("success")
+
+
+def fit_metrics(trainer: Any, datamodule: Any) -> dict[str, float]:
+    """Scalar metrics at the end of fit, plus callback summaries (throughput, evaluation) and the data baseline.
+
+    Training throughput appears once, as ``throughput/*`` from :class:`~lightning_parallel.callbacks.ThroughputReport`.
+
+    Args:
+        trainer: the Trainer after ``fit``.
+        datamodule: the run's data module (``unigram_baseline()`` is added when it has one).
+    """
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+    for callback in trainer.callbacks:
+        metrics.update(getattr(callback, "summary", {}) or {})
+    baseline = getattr(datamodule, "unigram_baseline", None)
+    if callable(baseline):
+        metrics["unigram_baseline"] = baseline()
+    return metrics
+
+
+def write_metrics(output_dir: Path, summary: dict[str, Any], metrics: dict[str, float]) -> Path:
+    """Write ``metrics.json``: the run summary and its final metrics (one job of a sweep).
+
+    Args:
+        output_dir: the job's output folder.
+        summary: :func:`run_summary` of the run.
+        metrics: the final metrics.
+    """
+    path = output_dir / METRICS_FILE
+    path.write_text(json.dumps({**summary, "metrics": metrics}, indent=2, sort_keys=True, default=str))
+    return path
+
+
+def startup_table(cfg: Any, strategy: Any, layout: ParallelLayout, effective: EffectiveHparams,
+                  logger: Any, summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """Rows of the start-up table of ``lp-train`` (see :func:`startup_rows`).
+
+    Args:
+        cfg: the run's config (paths, trainer, scaling).
+        strategy: the strategy object or name.
+        layout: the resolved layout.
+        effective: the effective hyperparameters.
+        logger: the run's logger (its folder is shown), or False.
+        summary: ``lightning_parallel.train.run_summary`` of the run.
+    """
+    import torch
+    from omegaconf import OmegaConf
+
+    paths = {"output": cfg.paths.output_dir, "logs": getattr(logger, "log_dir", "-"), "checkpoints": cfg.paths.checkpoint_dir}
+    extra = dict(strategy.startup_rows(layout)) if hasattr(strategy, "startup_rows") else {}
+    extra["same run on other devices"] = summary["reproduce"]
+    reference = OmegaConf.to_container(cfg.scaling.reference, resolve=True)
+    accelerator = cfg.trainer.accelerator
+    cuda = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
+    return startup_rows(summary["strategy"], layout, effective, reference, "cuda" if cuda else "cpu",
+                        cfg.trainer.num_nodes, paths, extra)
+
+
+def result_rows(trainer: Any, metrics: dict[str, float], cfg: Any) -> list[tuple[str, str]]:
+    """The one end-of-run table: losses, training throughput, evaluation figures, readouts, checkpoint.
+
+    Each figure appears once: ``throughput/*`` (the run's one training-throughput measurer) and the
+    evaluation report's ``eval/*`` rows, shown without their prefixes, then the text readouts.
+
+    Args:
+        trainer: the Trainer after ``fit``.
+        metrics: :func:`fit_metrics` of the run.
+        cfg: the run's config (``paths.checkpoint_dir``).
+    """
+    from pathlib import Path
+
+    from lightning_parallel.resume import last_checkpoint
+
+    def shown(value: Any) -> str:
+        return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+    rows = [(key.split("/", 1)[1] if key.startswith("eval/") else key, shown(value)) for key, value in sorted(metrics.items())]
+    for callback in trainer.callbacks:
+        readout = getattr(callback, "readout", None) or {}
+        rows += [(name, str(value)) for name, value in readout.items() if not isinstance(value, (int, float))]
+    callback = trainer.checkpoint_callback
+    best = getattr(callback, "best_model_path", "") if callback else ""
+    last = last_checkpoint(Path(str(cfg.paths.checkpoint_dir)))
+    if best:
+        rows.append(("checkpoint (best)", best))
+    rows.append(("checkpoint (last)", str(last) if last else "- (none written)"))
     return rows

@@ -28,6 +28,7 @@ from rich.table import Table
 from typing_extensions import override
 
 METRICS_FILE = "metrics.json"
+FAILURE_FILE = "failure.json"
 SUMMARY_FILE = "summary.csv"
 
 # (CSV column, table heading); the table shows the columns with a heading.
@@ -75,6 +76,9 @@ def job_row(job_dir: Path) -> dict[str, Any]:
     """
     path = job_dir / METRICS_FILE
     if not path.is_file():
+        failure = _read_json(job_dir / FAILURE_FILE)
+        if failure:
+            return {"job": job_dir.name, "overrides": failure.get("overrides"), "status": f"failed: {failure.get('error')}"}
         return {"job": job_dir.name, "status": f"missing {METRICS_FILE} (job failed or did not finish)"}
     data = json.loads(path.read_text())
     eff, metrics = data.get("effective", {}), data.get("metrics", {})
@@ -99,6 +103,30 @@ def job_row(job_dir: Path) -> dict[str, Any]:
         "overrides": data.get("overrides"),
         "status": "ok",
     }
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def record_failure(job_dir: Path, error: BaseException) -> Path:
+    """Write ``failure.json`` into a job's folder: the first line of its error (its summary row shows it).
+
+    Args:
+        job_dir: the job's output folder.
+        error: what ended the job.
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    overrides = HydraConfig.get().job.override_dirname if HydraConfig.initialized() else None
+    path = job_dir / FAILURE_FILE
+    job_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"error": lines[0], "type": type(error).__name__, "overrides": overrides}, indent=2))
+    return path
 
 
 def summarise(sweep_dir: Path) -> list[dict[str, Any]]:
@@ -154,11 +182,17 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
 
 
 class SweepSummary(Callback):
-    """Hydra callback: at the end of a multirun, write ``summary.csv`` and print the summary table.
+    """Hydra callback: ``summary.csv`` rewritten after every job of a multirun, the table at its end.
+
+    A job that raised gets its row from ``failure.json`` (written here when the job's own
+    handler could not); :attr:`failed_jobs` counts the rows that are not ``ok`` once the
+    multirun ends, and ``lp-train`` exits with that count.
 
     Args:
         console_width: width of the printed table (wide enough for the sweep folder names).
     """
+
+    failed_jobs = 0  # of the last multirun in this process (lp-train's exit code)
 
     def __init__(self, console_width: int = 160) -> None:
         self.console_width = console_width
@@ -170,9 +204,26 @@ class SweepSummary(Callback):
         self._sweep_dir = Path(config.hydra.sweep.dir)
 
     @override
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        from hydra.core.utils import JobStatus
+        from hydra.types import RunMode
+
+        if config.hydra.mode != RunMode.MULTIRUN:
+            return
+        job_dir = Path(config.hydra.runtime.output_dir)
+        if job_return.status == JobStatus.FAILED and not (job_dir / FAILURE_FILE).exists():
+            try:
+                _ = job_return.return_value  # a failed job's return value raises its error
+            except Exception as error:  # noqa: BLE001 - any error is the row's message
+                record_failure(job_dir, error)
+        summarise(self._sweep_dir or Path(config.hydra.sweep.dir))  # after every job: a sweep cut short keeps its rows
+
+    @override
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = self._sweep_dir or Path(config.hydra.sweep.dir)
         rows = summarise(sweep_dir)
+        failed = sum(1 for row in rows if row.get("status") != "ok")
+        SweepSummary.failed_jobs = failed
         console = Console(width=self.console_width)
         console.print(summary_table(rows, f"lightning_parallel: sweep summary ({len(rows)} jobs)"))
-        console.print(f"summary: {sweep_dir / SUMMARY_FILE}")
+        console.print(f"summary: {sweep_dir / SUMMARY_FILE}" + (f"  ({failed} of {len(rows)} jobs failed)" if failed else ""))

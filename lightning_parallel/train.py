@@ -5,24 +5,38 @@ Run ``python -m lightning_parallel.train`` (or ``lp-train``) with Hydra override
 ``lp-train -m strategy=ddp trainer.devices=1,2``. With ``trainer.devices > 1`` and no
 external launcher (torchrun, SLURM) the entry point starts the other local ranks itself
 (see :mod:`lightning_parallel.launch`).
+
+The edges of a run: every run gets its own folder (:mod:`lightning_parallel.run_folder`);
+``ckpt_path=last`` and ``resume=<folder>`` are resolved before anything starts
+(:mod:`lightning_parallel.resume`); Ctrl-C/SIGTERM stop every rank at one step with a checkpoint
+(:mod:`lightning_parallel.signals`); every error is one line with its remedy (the traceback goes to
+the run's ``train.log``); a multirun exits with the number of jobs that failed.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
+import sys
+import traceback
 from pathlib import Path
 from typing import Any, Optional
 
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from lightning_parallel import signals
 from lightning_parallel.layout import ParallelLayout
-from lightning_parallel.preflight import ConfigError, preflight, report_config_error
+from lightning_parallel.preflight import ConfigError, check_trainer_overrides, preflight, report_config_error
 from lightning_parallel.preflight import layout_of as layout_of  # re-exported: tests and recipes use them
 from lightning_parallel.preflight import world_size_of as world_size_of
+from lightning_parallel.report import fit_metrics as fit_metrics  # re-exported: tests use it
+from lightning_parallel.report import log_final_hparams, write_metrics
+from lightning_parallel.run_folder import register_resolver
 from lightning_parallel.scaling import EffectiveHparams, Reference, rescale_for_layout
-from lightning_parallel.sweep_summary import METRICS_FILE
+from lightning_parallel.sweep_summary import SweepSummary, record_failure
+
+register_resolver()  # hydra.run.dir names each run's own folder (conf/config.yaml)
 
 # The Hydra configs: inside the package once installed (the wheel carries conf/ as lightning_parallel/conf),
 # else conf/ beside the package (a source checkout, editable or not).
@@ -146,44 +160,37 @@ def save_effective_config(cfg: DictConfig, summary: dict[str, Any]) -> Path:
     return path
 
 
-def log_final_hparams(logger: Any, summary: dict[str, Any], metrics: dict[str, float]) -> None:
-    """Log the layout and effective hyperparameters with the final metrics (TensorBoard's HParams tab).
+def _callbacks(cfg: DictConfig, logger: Any) -> list[Any]:
+    """The configured callbacks, plus the suite's stop-on-signal (always) and step progress bar."""
+    import lightning.pytorch as pl
 
-    Args:
-        logger: the run's Lightning logger.
-        summary: :func:`run_summary` of the run.
-        metrics: the final metrics.
-    """
-    params = {k: summary[k] for k in ("strategy", "devices", "num_nodes", "world_size", "layout")}
-    params.update({f"effective/{k}": v for k, v in summary["effective"].items()})
-    params.update({f"reference/{k}": v for k, v in summary["reference"].items() if v is not None})
-    wanted = ("val_loss", "train_loss", "throughput/samples_per_sec", "throughput/tokens_per_sec")
-    final = {f"hp/{k.split('/')[-1]}": metrics[k] for k in wanted if k in metrics}
-    if final:
-        logger.log_hyperparams(params, metrics=final)
-        # fit() already closed the writer; this write reopened it, so close it again to flush.
-        logger.finalize("success")
+    from lightning_parallel.callbacks.evaluation import EvaluationReport
+    from lightning_parallel.callbacks.graceful_stop import GracefulStop
+    from lightning_parallel.callbacks.progress import StepProgressBar
 
-
-def fit_metrics(trainer: Any, datamodule: Any) -> dict[str, float]:
-    """Scalar metrics at the end of fit, plus callback summaries (throughput, evaluation) and the data baseline.
-
-    Training throughput appears once, as ``throughput/*`` from :class:`~lightning_parallel.callbacks.ThroughputReport`.
-
-    Args:
-        trainer: the Trainer after ``fit``.
-        datamodule: the run's data module (``unigram_baseline()`` is added when it has one).
-    """
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
-    for callback in trainer.callbacks:
-        metrics.update(getattr(callback, "summary", {}) or {})
-    baseline = getattr(datamodule, "unigram_baseline", None)
-    if callable(baseline):
-        metrics["unigram_baseline"] = baseline()
-    return metrics
+    callbacks = [instantiate_node(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    if not logger:
+        # LearningRateMonitor refuses to run without a logger; `logger=none` should just work.
+        callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.LearningRateMonitor)]
+    for callback in callbacks:
+        if isinstance(callback, EvaluationReport):
+            callback.print_table = False  # its rows go into the one result table
+    callbacks.append(GracefulStop(str(cfg.paths.checkpoint_dir)))
+    has_bar = any(isinstance(c, pl.callbacks.ProgressBar) for c in callbacks)
+    if cfg.trainer.get("enable_progress_bar", True) and not has_bar:
+        callbacks.append(StepProgressBar())
+    return callbacks
 
 
-def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None) -> dict[str, float]:
+def instantiate_node(node: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` (imported late: the entry point starts faster)."""
+    from hydra.utils import instantiate
+
+    return instantiate(node, **kwargs)
+
+
+def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None,
+          start: Optional[Path] = None, notes: Optional[dict[str, str]] = None) -> dict[str, float]:
     """Build everything from ``cfg`` and fit; returns the final metrics (same on every rank).
 
     Rank 0 also writes ``<output_dir>/.hydra/effective.yaml`` before fitting and
@@ -192,111 +199,179 @@ def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None
     Args:
         cfg: the composed Hydra config (``conf/config.yaml`` plus overrides).
         prepared: :func:`preflight` of ``cfg`` when the caller already ran it.
+        start: the checkpoint to resume from (None: a fresh start); see :func:`lightning_parallel.run_start.start_checkpoint`.
+        notes: extra rows for the start-up table.
     """
     import lightning.pytorch as pl
-    from hydra.utils import instantiate
     from lightning.pytorch.utilities import rank_zero_only
 
-    from lightning_parallel.report import print_table
+    from lightning_parallel.report import print_table, result_rows, startup_table
+    from lightning_parallel.resume import describe_start
 
     pl.seed_everything(cfg.seed, workers=True)
     strategy, layout = prepared or preflight(cfg)
     effective = apply_scaling(cfg, layout)
     summary = run_summary(cfg, strategy, layout, effective)
 
-    datamodule = instantiate(cfg.data)
-    model = instantiate(cfg.model)
-    logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
-    if not logger:
-        # LearningRateMonitor refuses to run without a logger; `logger=none` should just work.
-        callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.LearningRateMonitor)]
-    trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks)
+    datamodule, model = instantiate_node(cfg.data), instantiate_node(cfg.model)
+    logger = instantiate_node(cfg.logger) if cfg.get("logger") else False
+    trainer: pl.Trainer = instantiate_node(cfg.trainer, strategy=strategy, logger=logger, callbacks=_callbacks(cfg, logger))
     if logger:
         logger.log_hyperparams({"layout": layout.describe(), **OmegaConf.to_container(cfg, resolve=True)})
     if rank_zero_only.rank == 0:
         save_effective_config(cfg, summary)
-        print_table("lightning_parallel: run", _startup_table(cfg, strategy, layout, effective, logger, summary))
+        rows = startup_table(cfg, strategy, layout, effective, logger, summary)
+        print_table("lightning_parallel: run", rows + [("start", describe_start(start)), *(notes or {}).items()])
 
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    trainer.fit(model, datamodule=datamodule, ckpt_path=str(start) if start else None)
     metrics = fit_metrics(trainer, datamodule)
     if rank_zero_only.rank == 0:
-        rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in sorted(metrics.items())]
-        best = getattr(trainer.checkpoint_callback, "best_model_path", "") if trainer.checkpoint_callback else ""
-        rows.append(("checkpoint", best or "-"))
-        print_table("lightning_parallel: result", rows)
+        print_table("lightning_parallel: result", result_rows(trainer, metrics, cfg))
         write_metrics(Path(cfg.paths.output_dir), summary, metrics)
         if logger:
             log_final_hparams(logger, summary, metrics)
     return metrics
 
 
-def write_metrics(output_dir: Path, summary: dict[str, Any], metrics: dict[str, float]) -> Path:
-    """Write ``metrics.json``: the run summary and its final metrics (one job of a sweep).
+def _prepare(cfg: DictConfig) -> tuple[int, tuple[Any, ParallelLayout], Optional[Path], dict[str, str], str]:
+    """Everything settled before any rank starts: processes, checks, start checkpoint, run folder, validation."""
+    from lightning_parallel.launch import launched_externally, processes_to_launch
+    from lightning_parallel.run_start import claim_run_folder, route_logs_to_file, start_checkpoint, validation_schedule
 
-    Args:
-        output_dir: the job's output folder.
-        summary: :func:`run_summary` of the run.
-        metrics: the final metrics.
-    """
-    path = output_dir / METRICS_FILE
-    path.write_text(json.dumps({**summary, "metrics": metrics}, indent=2, sort_keys=True, default=str))
-    return path
-
-
-def _startup_table(cfg: DictConfig, strategy: Any, layout: ParallelLayout, effective: EffectiveHparams,
-                   logger: Any, summary: dict[str, Any]) -> list[tuple[str, str]]:
-    """Rows of the start-up table (see :func:`lightning_parallel.report.startup_rows`)."""
-    import torch
-
-    from lightning_parallel.report import startup_rows
-
-    paths = {"output": cfg.paths.output_dir, "logs": getattr(logger, "log_dir", "-"), "checkpoints": cfg.paths.checkpoint_dir}
-    extra = dict(strategy.startup_rows(layout)) if hasattr(strategy, "startup_rows") else {}
-    extra["same run on other devices"] = summary["reproduce"]
-    reference = OmegaConf.to_container(cfg.scaling.reference, resolve=True)
-    accelerator = cfg.trainer.accelerator
-    cuda = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
-    return startup_rows(summary["strategy"], layout, effective, reference, "cuda" if cuda else "cpu",
-                        cfg.trainer.num_nodes, paths, extra)
-
-
-def run(cfg: DictConfig) -> Optional[float]:
-    """Run one job, starting the other local ranks first when this process is the only one."""
-    import torch.distributed as dist
-    from hydra.core.hydra_config import HydraConfig
-
-    from lightning_parallel.launch import local_ranks, processes_to_launch, restored_rank_environment
-
+    route_logs_to_file()
     try:
         nprocs = processes_to_launch(cfg.trainer.devices, int(cfg.trainer.num_nodes))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    prepared = preflight(cfg)  # before any other rank starts: a bad layout is reported once
+    prepared = preflight(cfg)  # before any other rank starts: a bad config is reported once
+    start = start_checkpoint(cfg)
+    identity = claim_run_folder(cfg, bool(launched_externally()))
+    note = validation_schedule(cfg)
+    with open_dict(cfg):
+        cfg.ckpt_path = str(start) if start else None  # every rank loads this one checkpoint
+    return nprocs, prepared, start, {"validation": note} if note else {}, identity
+
+
+def _report_stop(cfg: DictConfig) -> None:
+    """After a stop on SIGINT/SIGTERM: what was saved, how long it took, and how to continue (rank 0)."""
+    import time
+
+    from lightning_parallel.resume import checkpoint_step
+
+    shutdown = signals.current()
+    if shutdown is None or os.environ.get("RANK", "0") != "0":
+        return
+    took = time.monotonic() - (shutdown.signal_time or time.monotonic())
+    saved = f"saved {shutdown.saved} (step {checkpoint_step(Path(shutdown.saved))})" if shutdown.saved else "nothing saved"
+    print(f"lp-train: stopped {took:.1f} s after the signal; {saved}. Continue with: lp-train resume={cfg.paths.output_dir}",
+          file=sys.stderr, flush=True)
+
+
+def _train_then_leave_group(cfg: DictConfig, *args: Any) -> dict[str, float]:
+    """:func:`train`, then leave the process group while every rank is still there to leave it together."""
+    import torch.distributed as dist
+
     try:
-        with restored_rank_environment():
-            if nprocs:
-                with local_ranks(cfg, Path(HydraConfig.get().runtime.output_dir), nprocs):
-                    metrics = train(cfg, prepared)
-            else:
-                metrics = train(cfg, prepared)
+        return train(cfg, *args)
     finally:
-        # A multirun runs the next job in this process; it must start from a clean slate.
+        # Also: a multirun runs the next job in this process; it must start from a clean slate.
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def run(cfg: DictConfig) -> Optional[float]:
+    """Run one job, starting the other local ranks first when this process is the only one."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from lightning_parallel.launch import local_ranks, restored_rank_environment
+
+    nprocs, prepared, start, notes, identity = _prepare(cfg)
+    with restored_rank_environment():
+        if nprocs:
+            with local_ranks(cfg, Path(HydraConfig.get().runtime.output_dir), nprocs, identity):
+                metrics = _train_then_leave_group(cfg, prepared, start, notes)
+        else:
+            metrics = _train_then_leave_group(cfg, prepared, start, notes)
+    if signals.stop_requested():
+        _report_stop(cfg)
+        # Everything is saved: skip the interpreter's slow teardown, which a user waiting on Ctrl-C would sit through.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(signals.INTERRUPTED_EXIT_CODE)
     monitor = cfg.get("optimized_metric")
     return metrics.get(monitor) if monitor else None
 
 
+def _multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _report_failure(error: BaseException, cfg: DictConfig) -> float:
+    """One short line for an error (the traceback goes to the run's log file); in a multirun the job's row."""
+    from lightning_parallel.run_start import log_traceback
+
+    log = log_traceback(error)
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if _multirun():
+        record_failure(Path(cfg.paths.output_dir), error)
+        print(f"lp-train: job failed: {first} (full traceback: {log})", file=sys.stderr, flush=True)
+        return float("nan")  # the sweep goes on; the summary gets a failure row
+    if isinstance(error, ConfigError):
+        report_config_error(error)
+    rank = os.environ.get("RANK", "0")
+    where = "" if rank == "0" else f" (rank {rank})"
+    print(f"lp-train: error{where}: {type(error).__name__}: {first}\n  full traceback: {log}", file=sys.stderr, flush=True)
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        traceback.print_exception(type(error), error, error.__traceback__)
+    sys.exit(1)
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
-def main(cfg: DictConfig) -> Optional[float]:
-    """Console entry point (``lp-train``)."""
+def hydra_main(cfg: DictConfig) -> Optional[float]:
+    """The Hydra task: one job (``lp-train`` is :func:`main`)."""
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     try:
         return run(cfg)
+    except Exception as error:  # noqa: BLE001 - every error ends as one line; its traceback is in the log file
+        return _report_failure(error, cfg)
+
+
+def _expand_resume(overrides: list[str]) -> None:
+    """``resume=<folder>``: run with the folder's original overrides (those given now win)."""
+    from lightning_parallel.resume import resume_overrides
+
+    given = [o for o in overrides if o.lstrip("+").startswith("resume=")]
+    if not given:
+        return
+    folder = given[-1].split("=", 1)[1]
+    try:
+        expanded = resume_overrides(Path(folder), overrides)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    sys.argv = [sys.argv[0], *[a for a in sys.argv[1:] if a not in overrides], *expanded]
+
+
+def main() -> None:
+    """Console entry point (``lp-train``): checks of the command line, signals, the Hydra app, the sweep's exit code."""
+    from lightning_parallel.launch import check_rank_config
+
+    check_rank_config()  # a child rank: its configuration file must be the one its launcher wrote
+    overrides = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
+    try:
+        check_trainer_overrides(overrides)
+        _expand_resume(overrides)
     except ConfigError as error:
-        report_config_error(error)
-        return None
+        print(f"lp-train: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    signals.install()
+    SweepSummary.failed_jobs = 0
+    hydra_main()
+    if SweepSummary.failed_jobs:
+        sys.exit(min(SweepSummary.failed_jobs, 125))  # the multirun's exit code: how many jobs failed
 
 
 if __name__ == "__main__":

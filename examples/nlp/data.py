@@ -38,6 +38,26 @@ def _corpus_files(path: str | None) -> list[Path]:
     return files
 
 
+def _read_parts(path: str | None, max_bytes: int, val_every: int) -> tuple[list[bytes], list[bytes]]:
+    """The corpus files as bytes: (training files, held-out files), every ``val_every``-th file held out."""
+    train, held, total = [], [], 0
+    for i, file in enumerate(_corpus_files(path)):
+        data = file.read_bytes()
+        (held if i % val_every == val_every - 1 else train).append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if not held:  # a single file: cut it instead
+        joined = b"".join(train)
+        cut = int(len(joined) * (1 - 1 / val_every))
+        train, held = [joined[:cut]], [joined[cut:]]
+    return train, held
+
+
+def _as_tensor(parts: list[bytes]) -> Tensor:
+    return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8).long()
+
+
 def load_corpus(path: str | None, max_bytes: int, val_every: int) -> tuple[Tensor, Tensor]:
     """Read the corpus as bytes and split it by file: every ``val_every``-th file is validation.
 
@@ -49,19 +69,27 @@ def load_corpus(path: str | None, max_bytes: int, val_every: int) -> tuple[Tenso
         max_bytes: stop reading once this many bytes are collected.
         val_every: every n-th file (in sorted order) goes to the validation split.
     """
-    train, val, total = [], [], 0
-    for i, file in enumerate(_corpus_files(path)):
-        data = file.read_bytes()
-        (val if i % val_every == val_every - 1 else train).append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    if not val:  # a single file: cut it instead
-        joined = b"".join(train)
-        cut = int(len(joined) * (1 - 1 / val_every))
-        train, val = [joined[:cut]], [joined[cut:]]
-    as_tensor = lambda parts: torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8).long()
-    return as_tensor(train), as_tensor(val)
+    train, held = _read_parts(path, max_bytes, val_every)
+    return _as_tensor(train), _as_tensor(held)
+
+
+def load_splits(path: str | None, max_bytes: int, val_every: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Train, validation and test splits: the held-out files of :func:`load_corpus`, alternately
+    validation and test (one held-out file is cut in half), so the test split is data the run never
+    validated on. The training split is :func:`load_corpus`'s.
+
+    Args:
+        path: text file or folder; ``None`` for the standard library.
+        max_bytes: stop reading once this many bytes are collected.
+        val_every: every n-th file (in sorted order) is held out.
+    """
+    train, held = _read_parts(path, max_bytes, val_every)
+    if len(held) >= 2:
+        val, test = held[0::2], held[1::2]
+    else:
+        joined = b"".join(held)
+        val, test = [joined[: len(joined) // 2]], [joined[len(joined) // 2 :]]
+    return _as_tensor(train), _as_tensor(val), _as_tensor(test)
 
 
 class ByteWindows(Dataset):
@@ -88,7 +116,7 @@ class TextDataModule(pl.LightningDataModule):
         seq_len: tokens per sample.
         batch_size: samples per device per step (the micro-batch of one data-parallel rank).
         max_bytes: how much of the corpus to read.
-        val_every: every n-th file is validation.
+        val_every: every n-th file is held out; held-out files are alternately validation and test.
         max_val_batches: cap on validation samples, as batches (keeps evaluation quick).
         num_workers: DataLoader workers.
     """
@@ -107,10 +135,12 @@ class TextDataModule(pl.LightningDataModule):
         self.save_hyperparameters()
         self.train_data: Tensor | None = None
         self.val_data: Tensor | None = None
+        self.test_data: Tensor | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_data is None:
-            self.train_data, self.val_data = load_corpus(self.hparams.path, self.hparams.max_bytes, self.hparams.val_every)
+            splits = load_splits(self.hparams.path, self.hparams.max_bytes, self.hparams.val_every)
+            self.train_data, self.val_data, self.test_data = splits
 
     def unigram_baseline(self) -> float:
         """Cross-entropy (nats/byte) of the validation split under the training split's byte frequencies:
@@ -136,7 +166,14 @@ class TextDataModule(pl.LightningDataModule):
         return DataLoader(subset, batch_size=self.hparams.batch_size, drop_last=True, num_workers=self.hparams.num_workers)
 
     def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        # The test split through this class's own val_dataloader, so that a subclass that changes the
+        # sample format there (hf_data's padded documents) gets the same format for the test split.
+        self.setup()
+        validation, self.val_data = self.val_data, self.test_data
+        try:
+            return self.val_dataloader()
+        finally:
+            self.val_data = validation
 
 
 def perplexity(loss_nats: float) -> float:

@@ -25,6 +25,8 @@ from torch import Tensor, nn
 from ..optimization import weight_decay_groups, with_warmup_cosine
 from ..transformer import Block
 
+IGNORE_INDEX = -100  # targets that carry no loss (padding, masked prompts), as in torch's cross-entropy
+
 
 class TokenEmbedding(nn.Module):
     """Token plus learned position embedding, then dropout."""
@@ -107,8 +109,19 @@ class GPT(pl.LightningModule):
     def pipeline_layers(self) -> list[nn.Module]:
         return [self.embed, *self.blocks.values(), self.head]
 
+    def pipeline_loss_terms(self, output: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+        """``(sum of token losses, tokens with a target)``; ``-100`` targets (padding, masked prompts) carry none.
+
+        The loss of a global batch is ``sum(sums) / sum(counts)`` over its micro-batches and
+        data-parallel ranks -- the single-process loss even when padding makes the counts differ.
+        """
+        total = F.cross_entropy(output.flatten(0, 1), target.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum")
+        return total, (target != IGNORE_INDEX).sum()
+
     def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
-        return F.cross_entropy(output.flatten(0, 1), target.flatten(0, 1))
+        """The mean loss over the tokens of one batch that have a target."""
+        total, count = self.pipeline_loss_terms(output, target)
+        return total / count
 
     def tensor_parallel_plan(self) -> dict[str, Any]:
         """Megatron-style sharding: q/k/v and MLP-up by columns, attention-out and MLP-down by rows,
@@ -176,21 +189,38 @@ class GPT(pl.LightningModule):
             x = block(x)
         return self.head(x)
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+    def global_token_mean(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        """This rank's batch loss, token-weighted over all ranks: its value is the global batch's token mean.
+
+        Each data-parallel rank divides its token-loss sum by ``N / data_parallel_size`` (``N``:
+        the global batch's tokens with a target); averaging the ranks' gradients, as data
+        parallelism does, then gives the gradient of ``sum(token losses) / N``, the
+        single-process loss, however padding splits the tokens among ranks. The mean over all
+        ranks of the per-rank count is ``N / data_parallel_size`` also under tensor
+        parallelism (tensor peers hold the same batch), so no layout needs to be known. The
+        returned value is the global mean on every rank; its gradient is this rank's share.
+        """
         inputs, targets = batch
-        loss = self.pipeline_loss(self(inputs), targets)
+        total, count = self.pipeline_loss_terms(self(inputs), targets)
+        if hasattr(total, "full_tensor"):  # a replicated DTensor under loss parallelism
+            total = total.full_tensor()
+        strategy = self.trainer.strategy
+        loss = total / strategy.reduce(count.float(), reduce_op="mean")
+        mean = strategy.reduce(loss.detach().clone(), reduce_op="mean")
+        return loss + (mean - loss.detach())
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self.global_token_mean(batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        inputs, targets = batch
-        loss = self.pipeline_loss(self(inputs), targets)
+        loss = self.global_token_mean(batch)
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        inputs, targets = batch
-        loss = self.pipeline_loss(self(inputs), targets)
+        loss = self.global_token_mean(batch)
         self.log("test_loss", loss, sync_dist=True)
         return loss
 

@@ -2,7 +2,8 @@
 
 from lightning_parallel.callbacks.evaluation import EvaluationReport
 from lightning_parallel.callbacks.exact_resume import ExactDataResume
+from lightning_parallel.callbacks.hf_weights import HuggingFaceWeights
 from lightning_parallel.callbacks.nonfinite import NonFiniteGuard
 from lightning_parallel.callbacks.throughput import ThroughputReport
 
-__all__ = ["EvaluationReport", "ExactDataResume", "NonFiniteGuard", "ThroughputReport"]
+__all__ = ["EvaluationReport", "ExactDataResume", "HuggingFaceWeights", "NonFiniteGuard", "ThroughputReport"]

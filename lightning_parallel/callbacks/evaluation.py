@@ -120,6 +120,8 @@ class EvaluationReport(pl.Callback):
         max_eval_batches: cap on batches per split for the metrics (None: the whole split).
         splits: which splits get metrics (``val``, ``test``).
         title: title of the printed table.
+        print_table: print the table at the end of training (``lp-train`` sets False and prints
+            these rows in its one result table instead).
     """
 
     def __init__(
@@ -129,6 +131,7 @@ class EvaluationReport(pl.Callback):
         max_eval_batches: Optional[int] = None,
         splits: tuple[str, ...] = ("val", "test"),
         title: str = "lightning_parallel: evaluation",
+        print_table: bool = True,
     ) -> None:
         unknown = set(splits) - {"val", "test"}
         if unknown:
@@ -138,6 +141,7 @@ class EvaluationReport(pl.Callback):
         self.max_eval_batches = max_eval_batches
         self.splits = tuple(splits)
         self.title = title
+        self.print_table = print_table
         self.summary: dict[str, float] = {}
         self.readout: dict[str, Any] = {}
         self.latencies: list[float] = []
@@ -223,8 +227,10 @@ class EvaluationReport(pl.Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._batch_size is None:
-            return  # no training batch ran: nothing to measure against
+        # GracefulStop's stopped_at: every rank agreed to stop after Ctrl-C/SIGTERM and must exit soon.
+        stopped = any(getattr(c, "stopped_at", None) is not None for c in trainer.callbacks)
+        if self._batch_size is None or stopped:
+            return  # no training batch ran (nothing to measure against), or the run is being stopped
         was_training = pl_module.training
         pl_module.eval()
         try:
@@ -256,15 +262,21 @@ class EvaluationReport(pl.Callback):
         summary.update({f"eval/{k}": float(v) for k, v in self.readout.items() if isinstance(v, (int, float))})
         return summary
 
+    def rows(self) -> list[tuple[str, str]]:
+        """The report's rows: training throughput (ThroughputReport's), evaluation figures, text readouts."""
+        rows = [(name, f"{value:.4f}") for name, value in self.training_rates.items()]  # ThroughputReport's
+        rows += [(name.removeprefix("eval/"), f"{value:.4f}") for name, value in self.summary.items()]
+        rows += [(name, str(value)) for name, value in self.readout.items() if not isinstance(value, (int, float))]
+        return rows
+
     def _report(self, trainer: pl.Trainer) -> None:
         if trainer.global_rank != 0:
             return
         from lightning_parallel.report import print_table
 
-        rows = [(name, f"{value:.4f}") for name, value in self.training_rates.items()]  # ThroughputReport's
-        rows += [(name.removeprefix("eval/"), f"{value:.4f}") for name, value in self.summary.items()]
-        rows += [(name, str(value)) for name, value in self.readout.items() if not isinstance(value, (int, float))]
-        print_table(self.title, rows)
+        rows = self.rows()
+        if self.print_table:
+            print_table(self.title, rows)
         for logger in trainer.loggers:
             logger.log_metrics(self.summary, step=trainer.global_step)
             experiment = getattr(logger, "experiment", None)

@@ -1,17 +1,18 @@
 """``lp-convert SRC DST --to dcp|lightning|pt|hf``: the one command for every checkpoint conversion.
 
-The source kind is detected: a DeepSpeed ZeRO folder (``latest``, ``*_model_states.pt``) or
-the suite's DCP folder (``.metadata`` and ``meta.pt``). Available now::
+The source kind is detected from its files (:func:`~lightning_parallel.checkpoints.foreign.identify_writer`):
+the suite's DCP folder, a Lightning single-file checkpoint or Lightning DCP folder
+(``ModelParallelStrategy``, ``FSDPStrategy`` sharded), or a DeepSpeed ZeRO folder::
 
-    lp-convert ZERO_CKPT_DIR converted.ckpt   # DeepSpeed -> resumable DCP folder (--no-optimizer, --tag)
-    lp-convert ZERO_CKPT_DIR model.pt         # DeepSpeed -> one plain state_dict (--tag)
-    lp-convert CKPT_FOLDER model.pt           # DCP folder -> one plain state_dict
+    lp-convert CKPT_FOLDER model.ckpt --to lightning  # suite -> Trainer(strategy="auto"|"ddp").fit(ckpt_path=...)
+    lp-convert CKPT_FOLDER hf_model --to hf           # -> AutoModelForCausalLM.from_pretrained("hf_model")
+    lp-convert ANY_CHECKPOINT model.pt                # -> one plain state_dict
+    lp-convert LIGHTNING_OR_ZERO converted.ckpt       # -> the suite's resumable DCP folder (--no-optimizer)
 
 ``--to`` defaults from DST's suffix: ``.pt``/``.pth``/``.bin`` -> ``pt``, anything else ->
-``dcp``. ``lightning`` (a single-file Lightning checkpoint) and ``hf`` (a Hugging Face
-folder) are accepted names that are refused with exit code 2 until they are implemented, as
-is any request the source cannot serve; nothing is written then. Errors are one line
-(``lp-convert: error: ...``), exit code 2.
+``dcp``. ``--hf-config`` (a ``config.json`` or its folder) names the Hugging Face model for a
+checkpoint that does not record it. Any request the source cannot serve is refused before
+anything is written. Errors are one line (``lp-convert: error: ...``), exit code 2.
 """
 
 from __future__ import annotations
@@ -21,66 +22,120 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint import CheckpointException
 
-from lightning_parallel.checkpoints.dcp import is_sharded_checkpoint, resolve_checkpoint
-from lightning_parallel.checkpoints.deepspeed_reader import is_deepspeed_folder
-from lightning_parallel.checkpoints.export import PREFIX, export_state_dict
+from lightning_parallel.checkpoints.dcp import METADATA_FILE, resolve_checkpoint, save_on_one_process
+from lightning_parallel.checkpoints.deepspeed_reader import (
+    consolidate_state_dict,
+    first_model_states,
+    lightning_entries,
+    load_trusted,
+    resolve_folder,
+)
+from lightning_parallel.checkpoints.export import PREFIX, consolidate, export_state_dict, write_state_dict
+from lightning_parallel.checkpoints.foreign import describe_checkpoint, read_lightning_checkpoint
 from lightning_parallel.checkpoints.from_deepspeed import convert_checkpoint, convert_to_dcp
-from lightning_parallel.checkpoints.safe_loading import SafeFileSystemReader
+from lightning_parallel.checkpoints.hf_out import export_hf_folder
+from lightning_parallel.checkpoints.safe_loading import SafeFileSystemReader, load_plain
+from lightning_parallel.checkpoints.to_lightning import convert_to_lightning
 
 PROG = "lp-convert"
 FORMATS = ("dcp", "lightning", "pt", "hf")
 # Extensions that select the plain state_dict output when --to is not given.
 _PLAIN_SUFFIXES = (".pt", ".pth", ".bin")
-_SOURCES = {"deepspeed": "a DeepSpeed checkpoint folder", "dcp": "a DCP checkpoint folder"}
+_SOURCES = {"suite-dcp": "a DCP checkpoint folder of lightning_parallel", "deepspeed": "a DeepSpeed checkpoint folder",
+            "lightning-single-file": "a single-file Lightning checkpoint", "lightning-dcp": "a Lightning DCP folder"}
+AVAILABLE = ("suite folder -> lightning|pt|hf; Lightning DCP folder -> dcp|lightning|pt|hf; Lightning file -> "
+             "dcp|pt|hf; DeepSpeed folder -> dcp|pt|hf")
+
+
+def _lightning_to_dcp(args: argparse.Namespace) -> Path:
+    """A Lightning checkpoint as the suite's folder: weights, optimizer state by name, Lightning's entries."""
+    checkpoint = read_lightning_checkpoint(args.src)
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    optimizers = checkpoint.pop("optimizer_states", None) or []
+    if not args.no_optimizer:
+        state.update({f"optimizer_{i}": flat for i, flat in enumerate(optimizers)})
+    source = describe_checkpoint(args.src)[1] + (", optimizer dropped" if args.no_optimizer else "")
+    checkpoint["lightning_parallel"] = {"layout": None, "zero_stage": 0, "schedule": None, "source": source}
+    return save_on_one_process(Path(args.dst), state, checkpoint)
+
+
+def _deepspeed_meta(src: Path, tag: Any) -> dict[str, Any]:
+    top, tag = resolve_folder(src, tag)
+    return lightning_entries(load_trusted(first_model_states(top / tag)), top / tag)
+
+
+def _to_hf(weights: dict[str, torch.Tensor], meta: dict[str, Any], args: argparse.Namespace) -> Path:
+    out, outside = export_hf_folder(weights, args.dst, meta, args.hf_config)
+    args.outside = outside
+    return out
+
+
+def _suite_meta(src: Path) -> dict[str, Any]:
+    return load_plain(resolve_checkpoint(src) / METADATA_FILE, weights_only=True)
+
+
+def _lightning_to_hf(args: argparse.Namespace) -> Path:
+    checkpoint = read_lightning_checkpoint(args.src)
+    return _to_hf(checkpoint.pop("state_dict"), checkpoint, args)
+
+
 # (source kind, --to) -> the conversion; every other pair is refused before anything is read.
 _CONVERSIONS: dict[tuple[str, str], Callable[[argparse.Namespace], Path]] = {
     ("deepspeed", "dcp"): lambda a: convert_to_dcp(a.src, a.dst, a.tag, optimizer_state=not a.no_optimizer),
     ("deepspeed", "pt"): lambda a: convert_checkpoint(a.src, a.dst, a.tag),
-    ("dcp", "pt"): lambda a: export_state_dict(a.src, a.dst),
+    ("deepspeed", "hf"): lambda a: _to_hf(consolidate_state_dict(a.src, a.tag), _deepspeed_meta(a.src, a.tag), a),
+    ("suite-dcp", "pt"): lambda a: export_state_dict(a.src, a.dst),
+    ("suite-dcp", "lightning"): lambda a: convert_to_lightning(a.src, a.dst, optimizer_state=not a.no_optimizer),
+    ("suite-dcp", "hf"): lambda a: _to_hf(consolidate(a.src), _suite_meta(a.src), a),
+    ("lightning-dcp", "lightning"): lambda a: convert_to_lightning(a.src, a.dst, optimizer_state=not a.no_optimizer),
+    ("lightning-single-file", "dcp"): _lightning_to_dcp,
+    ("lightning-dcp", "dcp"): _lightning_to_dcp,
+    ("lightning-single-file", "pt"): lambda a: write_state_dict(dict(read_lightning_checkpoint(a.src)["state_dict"]), a.dst),
+    ("lightning-dcp", "pt"): lambda a: write_state_dict(dict(read_lightning_checkpoint(a.src)["state_dict"]), a.dst),
+    ("lightning-single-file", "hf"): _lightning_to_hf,
+    ("lightning-dcp", "hf"): _lightning_to_hf,
 }
-AVAILABLE = "DeepSpeed -> dcp, DeepSpeed -> pt, DCP -> pt"
-_LATER = {"lightning": "a single-file Lightning checkpoint", "hf": "a Hugging Face folder"}
+_ALREADY = {"suite-dcp": "dcp", "lightning-single-file": "lightning"}
 
 
 def detect_source(src: Path) -> str:
-    """``"deepspeed"`` or ``"dcp"``: the kind of checkpoint ``src`` is.
+    """The kind of checkpoint ``src`` is: ``suite-dcp``, ``lightning-single-file``, ``lightning-dcp`` or ``deepspeed``.
 
     Args:
         src: the path given as SRC.
 
     Raises:
-        ValueError: neither kind (including a path that does not exist).
+        ValueError: none of them, saying what ``src`` looks like.
     """
-    if is_sharded_checkpoint(resolve_checkpoint(src)):
-        return "dcp"
-    if is_deepspeed_folder(src):
-        return "deepspeed"
-    why = "it does not exist" if not src.exists() else "a file" if src.is_file() else "a folder without either's files"
-    raise ValueError(
-        f"{str(src)!r} ({why}) is not a DeepSpeed checkpoint folder ('latest', *_model_states.pt) nor a DCP "
-        f"checkpoint folder (.metadata and meta.pt); conversions available now: {AVAILABLE}."
-    )
+    writer, description = describe_checkpoint(src)
+    if writer not in _SOURCES:
+        raise ValueError(f"{str(src)!r} is not a DeepSpeed checkpoint folder, a DCP checkpoint folder nor a Lightning "
+                         f"checkpoint: it looks like {description}. "
+                         f"Conversions available: {AVAILABLE}.")
+    return writer
 
 
 def _plan(args: argparse.Namespace) -> tuple[str, str]:
     """The (source kind, output format) of a request, or ValueError for one that cannot be served."""
     to = args.to or ("pt" if args.dst.suffix in _PLAIN_SUFFIXES else "dcp")
-    if to in _LATER:
-        raise ValueError(f"--to {to} ({_LATER[to]}) is not available yet; conversions available now: {AVAILABLE}.")
     source = detect_source(args.src)
-    if source == to:
+    if _ALREADY.get(source) == to:
         raise ValueError(f"{str(args.src)!r} is already {_SOURCES[source]}: use it as ckpt_path as it is, or --to pt.")
     if (source, to) not in _CONVERSIONS:
-        raise ValueError(f"{_SOURCES[source]} -> {to} is not available; conversions available now: {AVAILABLE}.")
-    if args.no_optimizer and to != "dcp":
-        raise ValueError("--no-optimizer applies to the DCP output only (a .pt file holds weights only anyway).")
+        remedy = (" Resume it under a lightning_parallel strategy, save, and convert that folder."
+                  if to == "lightning" else "")
+        raise ValueError(f"{_SOURCES[source]} -> {to} is not available.{remedy} Conversions available: {AVAILABLE}.")
+    if args.no_optimizer and to not in ("dcp", "lightning"):
+        raise ValueError("--no-optimizer applies to the dcp and lightning outputs only (pt and hf hold weights only).")
     if args.tag is not None and source != "deepspeed":
         raise ValueError("--tag applies to a DeepSpeed source only.")
+    if args.hf_config is not None and to != "hf":
+        raise ValueError("--hf-config applies to --to hf only.")
     return source, to
 
 
@@ -94,38 +149,54 @@ def _one_line(error: BaseException) -> str:
     return " ".join(message.split())
 
 
-def _folder_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def _counts(tensors: Sequence[torch.Size]) -> str:
+    return f"{len(tensors)} tensors, {sum(s.numel() for s in tensors):,} values"
 
 
 def _summary(out: Path, to: str, args: argparse.Namespace, seconds: float) -> str:
     """One line: what was written, with its tensors, values, bytes and the time taken."""
-    if to == "pt":
+    took = f"{_bytes(out):,} bytes ({seconds:.1f}s)"
+    if to in ("pt", "lightning"):
         state = torch.load(out, map_location="cpu", weights_only=True, mmap=True)
-        shapes = [tensor.shape for tensor in state.values()]
-        return (f"wrote {out}: {len(shapes)} tensors, {sum(s.numel() for s in shapes):,} values, "
-                f"{out.stat().st_size:,} bytes ({seconds:.1f}s)")
+        weights = state["state_dict"] if to == "lightning" else state
+        line = f"wrote {out}: {_counts([t.shape for t in weights.values()])}, {took}"
+        if to == "lightning":
+            optimizer = "none" if args.no_optimizer else f"{len(state.get('optimizer_states', []))} optimizer(s)"
+            line += (f"; {optimizer}, Lightning state at global step {state.get('global_step')}. Resume with "
+                     f"Trainer(strategy='auto' or 'ddp').fit(model, ckpt_path={str(out)!r}).")
+        return line
+    if to == "hf":
+        outside = getattr(args, "outside", [])
+        left = f"; not part of the Hugging Face model, left out: {', '.join(outside)}" if outside else ""
+        return f"wrote Hugging Face folder {out}: {took}{left}. Load with from_pretrained({str(out)!r})."
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     items = SafeFileSystemReader(out).read_metadata().state_dict_metadata.items()
     shapes = [item.size for key, item in items if key.startswith(PREFIX) and isinstance(item, TensorStorageMetadata)]
     optimizer = "reset to zero" if args.no_optimizer else "carried over"
-    return (f"wrote DCP checkpoint {out}: {len(shapes)} tensors, {sum(s.numel() for s in shapes):,} values, "
-            f"{_folder_bytes(out):,} bytes ({seconds:.1f}s); weights, optimizer state {optimizer}, Lightning state. "
-            f"Resume with Trainer(strategy=...).fit(model, ckpt_path={str(out)!r}).")
+    if args.no_optimizer and detect_source(args.src) != "deepspeed":
+        optimizer = "left out (the strategy must start it afresh)"
+    return (f"wrote DCP checkpoint {out}: {_counts(shapes)}, {took}; weights, optimizer state {optimizer}, Lightning "
+            f"state. Resume with Trainer(strategy=...).fit(model, ckpt_path={str(out)!r}).")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("src", type=Path, help="a DeepSpeed checkpoint folder or a DCP checkpoint folder")
+    parser.add_argument("src", type=Path, help="a suite or Lightning checkpoint (file or DCP folder), or a DeepSpeed folder")
     parser.add_argument("dst", type=Path, help="the file or folder to write (an existing one is replaced)")
     parser.add_argument("--to", choices=FORMATS, default=None,
                         help="output format; default: pt when DST ends in .pt/.pth/.bin, dcp otherwise")
     parser.add_argument("--tag", default=None, help="DeepSpeed checkpoint tag (default: read from SRC/latest)")
     parser.add_argument("--no-optimizer", action="store_true",
-                        help="DeepSpeed -> dcp only: write the optimizer state zeroed (it restarts)")
+                        help="dcp/lightning outputs: leave the optimizer state out (DeepSpeed -> dcp: zeroed)")
+    parser.add_argument("--hf-config", type=Path, default=None,
+                        help="--to hf: the model's config.json (or its folder) when the checkpoint does not record it")
     return parser
 
 

@@ -28,21 +28,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from torch import nn
+from torch import Tensor, nn
 
+from lightning_parallel.adapters.pipeline_plan import PipelinePlan, pipeline_plan
 from lightning_parallel.layout import DATA_PARALLEL, TENSOR_PARALLEL, ParallelLayout
+from lightning_parallel.parallel import pipeline_tied
+from lightning_parallel.parallel.chain_check import check_chain, on_meta
 from lightning_parallel.parallel.data import shard_data_axis
 from lightning_parallel.parallel.options import ParallelOptions
-from lightning_parallel.parallel.partition import partition_layers
-from lightning_parallel.parallel.pipeline import (
-    PipelineSplit,
-    RemovedLayer,
-    split_module,
-    stage_ids_for_rank,
-    validate_schedule,
-)
+from lightning_parallel.parallel.partition import partition_layers, stage_of_layer
+from lightning_parallel.parallel.pipeline_schedules import SCHEDULES, stage_ids_for_rank, validate_schedule
+from lightning_parallel.parallel.stages import PipelineSplit, RemovedLayer, layer_names, shared_parameters, split_module
 from lightning_parallel.parallel.tensor import apply_tensor_parallel, resolve_plan, validate_tensor_parallel
-from lightning_parallel.protocol import require_pipeline_module
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -61,6 +58,10 @@ class Parallelized:
         stages: this rank's stage modules (empty without pipelining).
         stage_ids: their stage indices.
         last_stage_rank: global rank holding the last stage in this rank's pipeline (None without).
+        loss_fn: the last stage's loss, ``(output, target) -> mean`` or ``-> (loss_sum, num_items)``
+            (the module's own, or its Hugging Face model's causal-LM loss terms).
+        count_items: ``targets -> items carrying a loss`` matching ``loss_fn``.
+        tied: parameters tied across this rank's and other pipeline ranks' stages.
     """
 
     layout: ParallelLayout
@@ -70,6 +71,9 @@ class Parallelized:
     stages: tuple[nn.Module, ...] = ()
     stage_ids: tuple[int, ...] = ()
     last_stage_rank: Optional[int] = None
+    loss_fn: Optional[Callable[[Any, Any], Any]] = None
+    count_items: Optional[Callable[[Any], Tensor]] = None
+    tied: tuple[pipeline_tied.TiedCopies, ...] = ()
 
     @property
     def pipelined(self) -> bool:
@@ -84,7 +88,8 @@ def check_module(module: nn.Module, layout: ParallelLayout, options: ParallelOpt
     """Everything about ``module`` that can be checked before a process group exists.
 
     Args:
-        module: the whole model (any device, ``meta`` included).
+        module: the whole model (any device, ``meta`` included; the layer-chain check runs
+            only on materialised weights).
         layout: the resolved layout.
         options: the run's options.
 
@@ -92,27 +97,38 @@ def check_module(module: nn.Module, layout: ParallelLayout, options: ParallelOpt
         The resolved tensor-parallel plan (empty without tensor parallelism).
 
     Raises:
-        ValueError: a module that cannot be pipelined, too few layers for the stages, a
-            schedule the layout cannot run, or a plan the tensor size does not divide.
+        ValueError: a module that cannot be pipelined (a Hugging Face model without a
+            pipeline plan, an encoder-decoder, a layer chain that does not compose to
+            ``forward``), too few layers for the stages, a schedule the layout cannot run,
+            or a plan the tensor size does not divide.
     """
     if layout.pipeline_parallel_enabled:
-        require_pipeline_module(module)
-        validate_schedule(options.schedule, layout.pipeline_parallel, options.stages_per_rank, options.microbatches)
-        num_layers, num_stages = len(module.pipeline_layers()), options.num_stages(layout.pipeline_parallel)
-        if num_layers < num_stages:
-            fits = num_layers // layout.pipeline_parallel
-            remedy = (f"stages_per_rank <= {fits}" if fits >= 1 else f"pipeline_parallel_size <= {num_layers}")
-            raise ValueError(
-                f"{type(module).__name__} has {num_layers} pipeline layers, fewer than the {num_stages} stages of "
-                f"pipeline_parallel_size={layout.pipeline_parallel} x stages_per_rank={options.stages_per_rank}: "
-                f"every stage needs a layer. Fix: {remedy}, or a model with more layers."
-            )
+        check_pipeline(module, layout, options)
     if not layout.tensor_parallel_enabled:
         return {}
     plan = resolve_plan(
         module, options.plan, sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel
     )
     validate_tensor_parallel(module, plan, layout.tensor_parallel)
+    return plan
+
+
+def check_pipeline(module: nn.Module, layout: ParallelLayout, options: ParallelOptions) -> PipelinePlan:
+    """The pipeline half of :func:`check_module`; returns the module's pipeline plan."""
+    plan = pipeline_plan(module)
+    validate_schedule(options.schedule, layout.pipeline_parallel, options.stages_per_rank, options.microbatches)
+    num_layers, num_stages = len(plan.layers), options.num_stages(layout.pipeline_parallel)
+    if num_layers < num_stages:
+        fits = num_layers // layout.pipeline_parallel
+        remedy = (f"stages_per_rank <= {fits}" if fits >= 1 else f"pipeline_parallel_size <= {num_layers}")
+        raise ValueError(
+            f"{type(module).__name__} has {num_layers} pipeline layers, fewer than the {num_stages} stages of "
+            f"pipeline_parallel_size={layout.pipeline_parallel} x stages_per_rank={options.stages_per_rank}: "
+            f"every stage needs a layer. Fix: {remedy}, or a model with more layers."
+        )
+    _check_pipeline_layers(module, plan, options)
+    if plan.sample is not None and not on_meta(module):
+        check_chain(module, list(zip(plan.names, plan.layers)), plan.make_stage, plan.sample, plan.source)
     return plan
 
 
@@ -138,21 +154,66 @@ def last_stage_rank(layout: ParallelLayout, options: ParallelOptions, rank: int)
     return layout.rank_at(coords.data, holder, coords.tensor)
 
 
+def _check_pipeline_layers(module: nn.Module, plan: PipelinePlan, options: ParallelOptions) -> None:
+    if options.partition == "time" and plan.source != "protocol":
+        raise ValueError(
+            f"partition='time' times each layer on one tensor, but {plan.source}'s decoder layers also need masks and "
+            "rotary positions: use partition='parameters', 'uniform' or explicit cut points."
+        )
+    layer_names(module, plan.layers)  # every parameter in some layer, layers not nested
+    shared = shared_parameters(plan.names, plan.layers)
+    if shared and options.zero_stage and SCHEDULES[options.schedule][2] == "v":
+        tied = ", ".join(holders[0][1] for holders in shared)
+        raise ValueError(
+            f"{type(module).__name__} ties parameters across pipeline layers ({tied}); schedule={options.schedule!r} "
+            "puts the first and the last stage on one rank, two stage modules holding one tied parameter, which "
+            f"FSDP2 (zero_stage={options.zero_stage}) cannot shard. Fix: a loop schedule ('1f1b', "
+            "'interleaved_1f1b'), zero_stage=0, or untie them."
+        )
+
+
 def split_pipeline(
     module: nn.Module,
     layout: ParallelLayout,
     options: ParallelOptions,
     rank: int,
     layer_times: Optional[Sequence[float]] = None,
+    plan: Optional[PipelinePlan] = None,
 ) -> tuple[PipelineSplit, list[nn.Module], list[int]]:
     """Cut ``module`` into stages and keep this rank's (step 1 of :func:`parallelize`)."""
-    layers = module.pipeline_layers()
+    plan = plan or pipeline_plan(module)
     num_stages = options.num_stages(layout.pipeline_parallel)
-    bounds = partition_layers(layers, num_stages, options.partition, layer_times)
+    bounds = partition_layers(plan.layers, num_stages, options.partition, layer_times)
     pipeline_rank = layout.coordinates(rank).pipeline
     stage_ids = stage_ids_for_rank(options.schedule, pipeline_rank, layout.pipeline_parallel, options.stages_per_rank)
-    split, stages = split_module(module, layers, bounds, stage_ids)
+    split, stages = split_module(module, plan.layers, bounds, stage_ids, plan.make_stage)
     return split, stages, stage_ids
+
+
+def tied_copies(split: PipelineSplit, layout: ParallelLayout, options: ParallelOptions, rank: int) -> list:
+    """This rank's parameters tied to copies on other pipeline ranks (embedding and LM head)."""
+    coords = layout.coordinates(rank)
+    rank_of_stage = [0] * split.num_stages
+    for pipeline_rank in range(layout.pipeline_parallel):
+        for stage in stage_ids_for_rank(options.schedule, pipeline_rank, layout.pipeline_parallel, options.stages_per_rank):
+            rank_of_stage[stage] = layout.rank_at(coords.data, pipeline_rank, coords.tensor)
+    return pipeline_tied.local_tied_copies(split.shared, stage_of_layer(list(split.bounds)), rank_of_stage, rank)
+
+
+def _tie_copies(module: nn.Module, split: PipelineSplit, stages: list, layout: ParallelLayout,
+                options: ParallelOptions, rank: int) -> list:
+    tied = tied_copies(split, layout, options, rank)
+    pipeline_tied.broadcast_tied(module, tied)  # the copies start equal whatever each rank initialised
+    stages[0].tied = tuple(tied)  # the runner finds them there and keeps their gradients summed
+    return tied
+
+
+def _data_axis_layers(module: nn.Module, split: Optional[PipelineSplit]) -> list[nn.Module]:
+    """Layers that become their own FSDP2 unit: not those holding a tied parameter (their stage root takes it)."""
+    if split is None:
+        return list(module.pipeline_layers()) if callable(getattr(module, "pipeline_layers", None)) else []
+    tied = {index for holders in split.shared for index, _ in holders}
+    return [module.get_submodule(name) for index, name in enumerate(split.names) if index not in tied]
 
 
 def parallelize(
@@ -180,8 +241,7 @@ def parallelize(
         A :class:`Parallelized` describing the result.
 
     Raises:
-        ValueError: ``module`` was parallelised before (build a fresh one and load a
-            checkpoint instead), or any check of :func:`check_module`.
+        ValueError: ``module`` was parallelised before, or any check of :func:`check_module`.
     """
     if is_parallelized(module):
         raise ValueError(
@@ -189,18 +249,19 @@ def parallelize(
             "build a fresh module and load the checkpoint into it (ckpt_path=...)."
         )
     plan = check_module(module, layout, options)
-    split, stages, stage_ids, last = None, [], [], None
+    split, stages, stage_ids, last, pipe, tied = None, [], [], None, None, []
     if layout.pipeline_parallel_enabled:
-        split, stages, stage_ids = split_pipeline(module, layout, options, rank, layer_times)
-        last = last_stage_rank(layout, options, rank)
-        if on_split is not None:
-            on_split(split)
+        pipe = pipeline_plan(module)
+        split, stages, stage_ids = split_pipeline(module, layout, options, rank, layer_times, pipe)
+        last, tied = last_stage_rank(layout, options, rank), _tie_copies(module, split, stages, layout, options, rank)
+        on_split(split) if on_split is not None else None
     if layout.tensor_parallel_enabled:
         present = dict(module.named_modules())
         local_plan = {n: s for n, s in plan.items() if n in present and not isinstance(present[n], RemovedLayer)}
         apply_tensor_parallel(module, mesh[TENSOR_PARALLEL], local_plan)
     # (3) activation checkpointing and (4) the mixed-precision policy slot in here.
     if options.zero_stage:
-        layers = module.pipeline_layers() if callable(getattr(module, "pipeline_layers", None)) else []
-        shard_data_axis(layers, stages or [module], mesh[DATA_PARALLEL], options.zero_stage)
-    return Parallelized(layout, options, plan, split, tuple(stages), tuple(stage_ids), last)
+        shard_data_axis(_data_axis_layers(module, split), stages or [module], mesh[DATA_PARALLEL], options.zero_stage)
+    pipeline_tied.mark_copies(module, tied)  # after FSDP2/TP replaced the parameter objects
+    loss_fn, count = (pipe.loss_fn, pipe.count_items) if pipe is not None else (None, None)
+    return Parallelized(layout, options, plan, split, tuple(stages), tuple(stage_ids), last, loss_fn, count, tuple(tied))

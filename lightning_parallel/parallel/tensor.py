@@ -1,29 +1,16 @@
 """Tensor parallelism on DTensor: resolve a module's plan, validate it, apply it.
 
 A plan maps submodule names (fnmatch globs such as ``"blocks.*.mlp.up"``) to a style
-name of :data:`STYLE_NAMES` or a torch ``ParallelStyle``. :func:`resolve_plan` turns it
-into ``{concrete name: ParallelStyle}`` for one model and one choice of sequence /
-loss parallelism, :func:`validate_tensor_parallel` checks the sizes before any process
-group exists, and :func:`apply_tensor_parallel` calls ``parallelize_module`` on the
-submodules a (pipeline-stage) module actually holds.
+name of :data:`STYLE_NAMES` (see :mod:`.tensor_styles` for what each becomes) or a torch
+``ParallelStyle``. :func:`resolve_plan` turns it into ``{concrete name: ParallelStyle}``
+for one model and one choice of sequence / loss parallelism, :func:`validate_tensor_parallel`
+checks the sizes (and tied weights) before any process group exists, and
+:func:`apply_tensor_parallel` calls ``parallelize_module`` on the submodules a
+(pipeline-stage) module actually holds and keeps tied weights one parameter.
 
-Style names (what each becomes without / with ``sequence_parallel``):
-
-* ``colwise`` -- ``ColwiseParallel()`` in both cases. Its input must be replicated: under
-  sequence parallelism put ``gather_input`` on the parent that receives the stream.
-* ``rowwise`` -- ``RowwiseParallel()`` (all-reduce) / output ``Shard(1)`` (reduce-scatter).
-* ``embedding_rowwise`` -- ``RowwiseParallel(input_layouts=Replicate())``, vocabulary rows
-  sharded / output ``Shard(1)``: the embedding output *is* the residual stream.
-* ``embedding_rowwise_replicated`` -- the same, but the output stays replicated under
-  sequence parallelism too (something is added to it before the stream starts).
-* ``colwise_gather`` -- ``ColwiseParallel(output_layouts=Replicate())`` for an LM head /
-  input ``Shard(1)``; with ``loss_parallel`` the output stays a ``Shard(-1)`` DTensor.
-* ``sequence`` -- dropped / ``SequenceParallel()`` (norms).
-* ``gather_input`` -- ``PrepareModuleInput(Replicate -> Replicate)`` as a DTensor, so the
-  projections inside share one input and its gradient is all-reduced once, not once per
-  projection / ``PrepareModuleInput(Shard(1) -> Replicate)`` (all-gather on entry).
-* ``scatter_output`` -- dropped / ``PrepareModuleOutput(Replicate -> Shard(1))``, a local
-  slice with no communication.
+Where the plan comes from, first match wins: the module's own ``tensor_parallel_plan()``;
+else the plan of a Hugging Face model it holds (:mod:`lightning_parallel.adapters.hf_tensor`,
+re-rooted under the model's attribute path); the strategy's ``plan=`` overrides either.
 
 Note:
     Under sequence parallelism the residual stream between blocks is a *local* tensor
@@ -33,7 +20,9 @@ Note:
     layer reduce-scatters back to the slice (``rowwise``). An embedding whose output is
     combined with something replicated before it joins the stream (a learned position
     table) keeps a replicated output (``embedding_rowwise_replicated``) and its parent
-    slices the sum (``scatter_output``, a local slice with no communication).
+    slices the sum (``scatter_output``, a local slice with no communication); a Hugging
+    Face decoder, which builds its mask and rotary positions from the embedding output,
+    slices at its first layer's input instead (``scatter_input``).
 """
 
 from __future__ import annotations
@@ -41,92 +30,30 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Callable, ContextManager, Optional, Union
+from typing import TYPE_CHECKING, ContextManager, Optional, Union
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from lightning_parallel.adapters.hf import find_hf_model
+from lightning_parallel.adapters.hf_tensor import (
+    RefusedStyle,
+    hf_head_dimensions,
+    hf_tensor_plan,
+    hf_untied_embeddings,
+    suite_style,
 )
+from lightning_parallel.parallel.tensor_styles import STYLE_NAMES, to_style
+from lightning_parallel.parallel.tensor_ties import check_ties, restore_ties, tie_groups
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-PlanValue = Union[str, ParallelStyle, None]
+__all__ = [
+    "STYLE_NAMES", "apply_tensor_parallel", "loss_parallel_context", "resolve_plan", "validate_tensor_parallel",
+]
 
-_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.RMSNorm, nn.Dropout)
-# The sequence dimension of activations shaped (batch, sequence, features).
-_SEQ = 1
-
-
-def _colwise(module: nn.Module, sp: bool, lp: bool) -> ParallelStyle:
-    # Also under sequence parallelism the input is expected replicated (a parent's
-    # ``gather_input`` made it so). Declaring Shard(1) here would make torch insert a
-    # Replicate->Replicate redistribute whose backward all-reduces the input gradient once
-    # per projection instead of once per block (measured: +4 all-reduces per block).
-    return ColwiseParallel()
-
-
-def _rowwise(module: nn.Module, sp: bool, lp: bool) -> ParallelStyle:
-    return RowwiseParallel(output_layouts=Shard(_SEQ)) if sp else RowwiseParallel()
-
-
-def _embedding_rowwise(module: nn.Module, sp: bool, lp: bool) -> ParallelStyle:
-    # Token ids are replicated; each rank looks up its vocabulary rows and the partial
-    # sums are reduced (all-reduce, or reduce-scatter straight into the sequence slice).
-    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(_SEQ) if sp else Replicate())
-
-
-def _embedding_rowwise_replicated(module: nn.Module, sp: bool, lp: bool) -> ParallelStyle:
-    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-
-
-def _colwise_gather(module: nn.Module, sp: bool, lp: bool) -> ParallelStyle:
-    # Under loss parallelism the logits stay vocabulary-sharded DTensors, which
-    # loss_parallel()'s cross-entropy consumes without ever gathering the vocabulary.
-    return ColwiseParallel(
-        input_layouts=Shard(_SEQ) if sp else Replicate(),
-        output_layouts=Shard(-1) if lp else Replicate(),
-        use_local_output=not lp,
-    )
-
-
-def _sequence(module: nn.Module, sp: bool, lp: bool) -> Optional[ParallelStyle]:
-    return SequenceParallel(sequence_dim=_SEQ) if sp else None
-
-
-def _gather_input(module: nn.Module, sp: bool, lp: bool) -> ParallelStyle:
-    return PrepareModuleInput(
-        input_layouts=(Shard(_SEQ) if sp else Replicate(),),
-        desired_input_layouts=(Replicate(),),
-        use_local_output=False,
-    )
-
-
-def _scatter_output(module: nn.Module, sp: bool, lp: bool) -> Optional[ParallelStyle]:
-    if not sp:
-        return None
-    return PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Shard(_SEQ),), use_local_output=True)
-
-
-# name -> (module types it fits, factory). ``nn.Module`` means any module.
-_STYLES: dict[str, tuple[tuple[type[nn.Module], ...], Callable[[nn.Module, bool, bool], Optional[ParallelStyle]]]] = {
-    "colwise": ((nn.Linear, nn.Embedding), _colwise),
-    "rowwise": ((nn.Linear,), _rowwise),
-    "embedding_rowwise": ((nn.Embedding,), _embedding_rowwise),
-    "embedding_rowwise_replicated": ((nn.Embedding,), _embedding_rowwise_replicated),
-    "colwise_gather": ((nn.Linear,), _colwise_gather),
-    "sequence": (_NORMS, _sequence),
-    "gather_input": ((nn.Module,), _gather_input),
-    "scatter_output": ((nn.Module,), _scatter_output),
-}
-
-STYLE_NAMES: tuple[str, ...] = tuple(_STYLES)
+PlanValue = Union[str, ParallelStyle, RefusedStyle, None]
 
 
 def _excerpt(names: list[str], pattern: str, limit: int = 12) -> str:
@@ -170,21 +97,33 @@ def _expand(module: nn.Module, plan: Mapping[str, PlanValue], source: str) -> di
     return out
 
 
-def _to_style(name: str, submodule: nn.Module, value: PlanValue, sp: bool, lp: bool) -> Optional[ParallelStyle]:
-    if isinstance(value, ParallelStyle):
-        return value
-    if not isinstance(value, str) or value not in _STYLES:
-        raise ValueError(
-            f"Plan entry {name!r} has style {value!r}: use one of {', '.join(STYLE_NAMES)} or a torch ParallelStyle."
-        )
-    types, factory = _STYLES[value]
-    if not isinstance(submodule, types):
-        fits = [style for style, (style_types, _) in _STYLES.items() if isinstance(submodule, style_types)]
-        raise ValueError(
-            f"Style {value!r} does not fit {name!r}, a {type(submodule).__name__}: it applies to "
-            f"{' / '.join(t.__name__ for t in types)}. Styles that fit a {type(submodule).__name__}: {', '.join(fits)}."
-        )
-    return factory(submodule, sp, lp)
+def _base_plan(module: nn.Module, sequence_parallel: bool) -> tuple[str, dict[str, PlanValue]]:
+    """``(source, plan)``: the module's ``tensor_parallel_plan()``, else its Hugging Face model's plan."""
+    own = getattr(module, "tensor_parallel_plan", None)
+    if callable(own):
+        return "tensor_parallel_plan()", dict(own())
+    found = hf_tensor_plan(module, sequence_parallel=sequence_parallel)
+    if found is None:
+        return "tensor_parallel_plan()", {}
+    source, plan = found
+    # transformers' "replicate" means what an unplanned module does.
+    return source[0].upper() + source[1:], {key: value for key, value in plan.items() if value is not None}
+
+
+def _merge(
+    module: nn.Module, overrides: Optional[Mapping[str, PlanValue]], sequence_parallel: bool
+) -> dict[str, tuple[str, PlanValue]]:
+    """The base plan expanded, then the overrides' names replacing or removing (``None``) its entries."""
+    source, base = _base_plan(module, sequence_parallel)
+    merged = _expand(module, base, source)
+    if overrides:
+        translated = {pattern: suite_style(value) for pattern, value in overrides.items()}
+        for name, (pattern, value) in _expand(module, translated, "Plan override").items():
+            if value is None:
+                merged.pop(name, None)
+            else:
+                merged[name] = (pattern, value)
+    return merged
 
 
 def resolve_plan(
@@ -196,15 +135,16 @@ def resolve_plan(
 ) -> dict[str, ParallelStyle]:
     """Resolve ``module``'s tensor-parallel plan to concrete submodule names and styles.
 
-    The module's own ``tensor_parallel_plan()`` (if it has one) is expanded first, then
-    ``overrides``: an override wins for every concrete name its pattern matches, and an
-    override value ``None`` removes the names it matches. Styles that only act under
-    sequence parallelism (``sequence``, ``scatter_output``) are dropped without it.
+    The module's own ``tensor_parallel_plan()`` -- or, without one, the plan of the Hugging
+    Face model it holds -- is expanded first, then ``overrides``: an override wins for every
+    concrete name its pattern matches, and an override value ``None`` removes the names it
+    matches. Styles that only act under sequence parallelism are dropped without it.
 
     Args:
         module: the full model (every layer present, on any device including ``meta``).
-        overrides: extra or replacing entries, pattern -> style name, ``ParallelStyle``
-            or ``None`` (remove); for example the strategy's ``plan`` from Hydra.
+        overrides: extra or replacing entries, pattern -> style name (the suite's, or a
+            transformers name such as ``colwise_gather_output``), ``ParallelStyle`` or
+            ``None`` (remove); for example the strategy's ``plan`` from Hydra.
         sequence_parallel: shard norms and the residual stream along the sequence (dim 1).
         loss_parallel: keep the LM head's logits vocabulary-sharded for
             :func:`loss_parallel_context`'s cross-entropy.
@@ -213,23 +153,18 @@ def resolve_plan(
         ``{concrete name: ParallelStyle}`` in the order of ``module.named_modules()``.
 
     Raises:
-        ValueError: a pattern matches no submodule (the message lists names that
-            exist), a style name is unknown or does not fit the submodule's type, or two
-            patterns of one source give one submodule different styles.
+        ValueError: a pattern matches no submodule (the message lists names that exist),
+            a style name is unknown, refused (a transformers style the suite cannot run) or
+            does not fit the submodule's type, or two patterns of one source give one
+            submodule different styles.
     """
-    own = getattr(module, "tensor_parallel_plan", None)
-    base = dict(own()) if callable(own) else {}
-    merged = _expand(module, base, "tensor_parallel_plan()")
-    if overrides:
-        for name, (pattern, value) in _expand(module, overrides, "Plan override").items():
-            if value is None:
-                merged.pop(name, None)
-            else:
-                merged[name] = (pattern, value)
+    merged = _merge(module, overrides, sequence_parallel)
     plan: dict[str, ParallelStyle] = {}
     for name, submodule in module.named_modules():
         if name in merged:
-            style = _to_style(name, submodule, merged[name][1], sequence_parallel, loss_parallel)
+            if isinstance(merged[name][1], RefusedStyle):
+                raise merged[name][1].error(name)
+            style = to_style(name, submodule, merged[name][1], sequence_parallel, loss_parallel)
             if style is not None:
                 plan[name] = style
     _check_gathered_inputs(merged, plan)
@@ -279,43 +214,88 @@ def _sharded_dimensions(module: nn.Module, plan: Mapping[str, ParallelStyle]) ->
     return dims
 
 
-def validate_tensor_parallel(module: nn.Module, plan: Mapping[str, ParallelStyle], tensor_parallel_size: int) -> None:
-    """Check that ``tensor_parallel_size`` divides every dimension ``plan`` shards.
+def validate_tensor_parallel(
+    module: nn.Module, plan: Mapping[str, ParallelStyle], tensor_parallel_size: int, *, require_sharding: bool = True
+) -> None:
+    """Check that ``plan`` shards something, divides by ``tensor_parallel_size`` and keeps ties.
 
-    Runs before any process group exists (a ``meta``-device model is fine).
+    Runs before any process group exists (a ``meta``-device model is fine). The dimensions
+    checked are those of the sharded layers and, for a Hugging Face model, the attention
+    and key/value head counts of its config.
 
     Args:
         module: the model (or a pipeline stage of it) the plan applies to.
         plan: the output of :func:`resolve_plan`.
         tensor_parallel_size: ranks per tensor-parallel group.
+        require_sharding: refuse a plan that shards no parameter when the size is above 1
+            (off for a pipeline stage, which may hold none of the planned layers).
 
     Raises:
-        ValueError: naming each dimension that does not divide (``"blocks.0.attn has 4
-            heads"``) and the sizes that divide all of them.
+        ValueError: a plan that shards nothing (every rank would train the whole model),
+            each dimension that does not divide (``"blocks.0.attn has 4 heads"``) with the
+            sizes that divide all of them, or a tied weight the plan would untie.
     """
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} must be a positive integer.")
-    dims = _sharded_dimensions(module, plan)
+    if require_sharding and tensor_parallel_size > 1 and not any(_shards_parameters(s) for s in plan.values()):
+        raise _nothing_to_shard(module, tensor_parallel_size, bool(plan))
+    dims = _sharded_dimensions(module, plan) + hf_head_dimensions(module, dict(plan))
     bad = [(desc, size) for desc, size in dims if size % tensor_parallel_size]
     if bad:
-        common = {d for d in range(1, dims[0][1] + 1) if dims[0][1] % d == 0}
-        for _, size in dims[1:]:
-            common &= {d for d in range(1, size + 1) if size % d == 0}
-        # Heads first (the usual culprit), then one example per distinct kind and size:
-        # every layer of a stack repeats the same dimension.
-        bad.sort(key=lambda item: " heads" not in item[0])
-        seen, shown = set(), []
-        for desc, size in bad:
-            kind = (desc.split(" has ")[-1].split("=")[0].split()[-1], size)
-            if kind not in seen:
-                seen.add(kind)
-                shown.append(desc)
-        more = len(bad) - len(shown)
-        shown = "; ".join(shown) + (f" (and {more} more layers of these sizes)" if more else "")
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} does not divide what the plan shards: {shown}. "
-            f"Sizes that divide every sharded dimension: {', '.join(map(str, sorted(common)))}."
-        )
+        raise _indivisible(dims, bad, tensor_parallel_size)
+    check_ties(module, {name: style for name, style in plan.items() if _holds(module, name)})
+
+
+def _holds(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _shards_parameters(style: ParallelStyle) -> bool:
+    """Whether ``style`` splits parameters (the suite's input/output and norm styles only move activations)."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, SequenceParallel
+
+    from lightning_parallel.parallel.tensor_styles import PrepareFirstInput, SumGradients
+
+    moves_activations = (PrepareModuleInput, PrepareModuleOutput, SequenceParallel, PrepareFirstInput, SumGradients)
+    return not isinstance(style, moves_activations)
+
+
+def _nothing_to_shard(module: nn.Module, tensor_parallel_size: int, has_entries: bool) -> ValueError:
+    found = find_hf_model(module)
+    held = (f"; it holds the Hugging Face {type(found[1]).__name__}, whose config has no base_model_tp_plan"
+            if found is not None else "")
+    what = "only moves activations" if has_entries else "is empty"
+    return ValueError(
+        f"tensor_parallel_size={tensor_parallel_size}, but the tensor-parallel plan of {type(module).__name__} {what}: "
+        f"nothing would be sharded and every rank would hold and train the whole model{held}. Fix: define "
+        "tensor_parallel_plan() on the module returning {submodule name or glob: style} (styles: "
+        f"{', '.join(STYLE_NAMES)}), pass the strategy plan={{...}}, or set tensor_parallel_size=1."
+    )
+
+
+def _indivisible(dims: list[tuple[str, int]], bad: list[tuple[str, int]], tensor_parallel_size: int) -> ValueError:
+    common = {d for d in range(1, dims[0][1] + 1) if dims[0][1] % d == 0}
+    for _, size in dims[1:]:
+        common &= {d for d in range(1, size + 1) if size % d == 0}
+    # Heads first (the usual culprit), then one example per distinct kind and size:
+    # every layer of a stack repeats the same dimension.
+    bad.sort(key=lambda item: " heads" not in item[0])
+    seen, shown = set(), []
+    for desc, size in bad:
+        kind = (desc.split(" has ")[-1].split("=")[0].split()[-1], size)
+        if kind not in seen:
+            seen.add(kind)
+            shown.append(desc)
+    more = len(bad) - len(shown)
+    listed = "; ".join(shown) + (f" (and {more} more layers of these sizes)" if more else "")
+    return ValueError(
+        f"tensor_parallel_size={tensor_parallel_size} does not divide what the plan shards: {listed}. "
+        f"Sizes that divide every sharded dimension: {', '.join(map(str, sorted(common)))}."
+    )
 
 
 def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> nn.Module:
@@ -329,10 +309,12 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[
         plan: the output of :func:`resolve_plan` for the full model.
 
     Returns:
-        ``module`` (planned submodules hold DTensor parameters); unchanged on a mesh of one rank.
+        ``module`` (planned submodules hold DTensor parameters, a tied weight stays one
+        parameter); unchanged on a mesh of one rank.
 
     Raises:
-        ValueError: ``tp_mesh`` is not 1-D, or its size does not divide a sharded dimension.
+        ValueError: ``tp_mesh`` is not 1-D, its size does not divide a sharded dimension,
+            or sharding broke a tie it cannot restore.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(
@@ -341,14 +323,9 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[
         )
     if tp_mesh.size() == 1:
         return module
-    present = {}
-    for name, style in plan.items():
-        try:
-            module.get_submodule(name)
-        except AttributeError:
-            continue
-        present[name] = style
-    validate_tensor_parallel(module, present, tp_mesh.size())
+    present = {name: style for name, style in plan.items() if _holds(module, name)}
+    validate_tensor_parallel(module, present, tp_mesh.size(), require_sharding=False)
+    ties = tie_groups(module)
     from torch.distributed.tensor.parallel import parallelize_module
 
     # One call per name: concrete names need no glob matching, and a name containing
@@ -357,6 +334,13 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[
         submodule = module.get_submodule(name)
         parallelize_module(submodule, tp_mesh, style)
         _settle_gradients(submodule)
+    restore_ties(module, ties)
+    untied = hf_untied_embeddings(module)
+    if untied is not None:
+        raise ValueError(
+            f"{untied} after tensor parallelism: they would train apart. Tie them before parallelising "
+            "(model.tie_weights() after materialising a meta-device model), or set tie_word_embeddings=False."
+        )
     return module
 
 

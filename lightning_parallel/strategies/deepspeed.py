@@ -29,6 +29,7 @@ import argparse
 import copy
 import logging
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
@@ -50,6 +51,9 @@ from lightning_parallel._compat import (
     set_forward_redirection,
     zero3_param_coordinator,
 )
+from lightning_parallel.adapters.hf_loss import token_weighting, training_context
+from lightning_parallel.checkpoints.foreign import describe_checkpoint, unreadable_checkpoint_error
+from lightning_parallel.checkpoints.hf_metadata import add_hugging_face_entry
 from lightning_parallel.parallel.deepspeed_config import (
     RawConfig,
     apply_precision,
@@ -218,6 +222,19 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
         init_deepspeed_distributed(self)
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's step; a Hugging Face causal LM's loss is the token mean over all ranks' batches.
+
+        See :mod:`lightning_parallel.adapters.hf_loss`: without it each rank would average its
+        own valid tokens, which is not the single-process loss when padding differs by rank.
+        """
+        module = self.lightning_module
+        weighting = token_weighting(module, None, self.world_size, module.trainer.accumulate_grad_batches,
+                                    warn=self.global_rank == 0)
+        with training_context(weighting):
+            return super().training_step(*args, **kwargs)
+
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
         """Back-propagate through the DeepSpeed engine without dividing by the accumulation steps again.
 
@@ -278,6 +295,29 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
             lr_scheduler=None,
             model_parameters=[],
             dist_init_required=False,
+        )
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Lightning's DeepSpeed folder, plus the ``hugging_face`` entry ``lp-convert --to hf`` builds the model from."""
+        add_hugging_face_entry(checkpoint, self.lightning_module)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """DeepSpeed's own folders (and, with ``load_full_weights`` under ZeRO-3, one file); anything else refused with the fix."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        writer, description = describe_checkpoint(path)
+        if writer == "deepspeed" or (writer == "lightning-single-file" and self.load_full_weights and self.zero_stage_3):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        if writer == "unknown":
+            raise unreadable_checkpoint_error(path, reader=type(self).__name__)
+        raise ValueError(
+            f"{type(self).__name__} resumes DeepSpeed checkpoint folders; {str(path)!r} is {description}. To continue "
+            "that run with its optimizer state, resume it under HybridParallelStrategy(zero_stage=2 or 3) (the same "
+            "sharding of the data axis, the losses of the uninterrupted run). For its weights only under DeepSpeed, "
+            "pass DeepSpeedDataParallelStrategy(stage=3, load_full_weights=True) and a single-file checkpoint "
+            "(lp-convert SRC OUT.ckpt --to lightning turns a folder into one)."
         )
 
     @override

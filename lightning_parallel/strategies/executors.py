@@ -7,6 +7,12 @@ micro-batch inside ``training_step``, the loss logged from ``pipeline_loss``.
 
 The strategy hands each method a ``default`` callable -- Lightning's own behaviour for that
 hook -- so an executor either wraps it or replaces it, and the strategy never branches.
+
+Losses over padded batches: wherever items carry unequal weight (``-100`` labels), the loss of
+a global batch is ``sum(token losses) / sum(valid tokens)`` over its data-parallel ranks (and
+micro-batches), the single-process loss. The direct executor gets this for a Hugging Face
+causal LM from :mod:`lightning_parallel.adapters.hf_loss`; the pipelined one counts the
+valid items of the whole batch over the data axis and hands the count to the schedule.
 """
 
 from __future__ import annotations
@@ -15,11 +21,15 @@ from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel.adapters.hf import find_hf_model
+from lightning_parallel.adapters.hf_loss import TokenWeightedLoss, token_weighting, training_context
 from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL
 from lightning_parallel.parallel.pipeline import PipelineRunner
+from lightning_parallel.parallel.pipeline_runner import default_item_count
 from lightning_parallel.parallel.tensor import loss_parallel_context
 from lightning_parallel.protocol import split_batch
 
@@ -48,16 +58,19 @@ class DirectExecutor:
 
     Args:
         loss_parallel: whether the LM head's logits stay vocabulary-sharded.
+        weighting: token-weights a Hugging Face causal LM's loss over the data-parallel ranks
+            during training steps (see :mod:`lightning_parallel.adapters.hf_loss`); None: off.
     """
 
-    def __init__(self, loss_parallel: bool = False) -> None:
+    def __init__(self, loss_parallel: bool = False, weighting: Optional[TokenWeightedLoss] = None) -> None:
         self.loss_parallel = loss_parallel
+        self.weighting = weighting
 
     def _context(self) -> ContextManager[None]:
         return loss_parallel_context(True) if self.loss_parallel else nullcontext()
 
     def training_step(self, default: Default, batch: Any, batch_idx: int) -> Any:
-        with self._context():
+        with self._context(), training_context(self.weighting):
             return plain_loss(default())
 
     def evaluation_step(self, default: Default, batch: Any, name: str) -> Any:
@@ -88,18 +101,39 @@ class PipelinedExecutor(DirectExecutor):
         self.data_parallel = layout.data_parallel
         self.dp_group = strategy.device_mesh[DATA_PARALLEL].get_group() if layout.data_parallel_enabled else None
         module = strategy.lightning_module
+        # Terms (loss_sum, num_items) when the module defines pipeline_loss_terms, or has no loss
+        # of its own and holds a Hugging Face causal LM (compose then supplies its loss terms).
+        self.loss_terms = callable(getattr(module, "pipeline_loss_terms", None)) or (
+            not callable(getattr(module, "pipeline_loss", None)) and find_hf_model(module) is not None
+        )
+        self.count_items = parallelized.count_items or default_item_count
         self.runner = PipelineRunner(
             parallelized.stages,
             parallelized.stage_ids,
             parallelized.num_stages,
             options.schedule,
             options.microbatches,
-            loss_fn=module.pipeline_loss,
+            loss_fn=parallelized.loss_fn or module.pipeline_loss,
             device=strategy.root_device,
             group=strategy.device_mesh[PIPELINE_PARALLEL].get_group(),
             last_stage_rank=parallelized.last_stage_rank,
+            data_parallel_size=layout.data_parallel,
+            count_items=self.count_items,
         )
         self._parked: list[tuple[Tensor, Tensor]] = []
+
+    def _num_items(self, targets: Any) -> Optional[Tensor]:
+        """Items carrying a loss in the whole global batch: this rank's count summed over the data axis.
+
+        None for a per-micro-batch mean loss (``pipeline_loss``), which needs no count. Every
+        data-parallel rank of a pipeline rank calls this at the same point of every step.
+        """
+        if not self.loss_terms:
+            return None
+        count = self.count_items(targets).to(device=self.strategy.root_device, dtype=torch.int64)
+        if self.dp_group is not None:
+            dist.all_reduce(count, group=self.dp_group)
+        return count
 
     def _data_parallel_mean(self, value: Tensor) -> Tensor:
         if self.dp_group is None:
@@ -117,8 +151,9 @@ class PipelinedExecutor(DirectExecutor):
             # after this step has run backward, so start the window from zero here.
             for param in module.parameters():
                 param.grad = None
+        num_items = self._num_items(targets)
         with self.strategy.precision_plugin.train_step_context(), self._context():
-            loss = self.runner.train_step(inputs, targets, loss_scale=1.0 / accumulation)
+            loss = self.runner.train_step(inputs, targets, loss_scale=1.0 / accumulation, num_items=num_items)
         self._park_gradients()
         loss = self._data_parallel_mean(loss)
         module.log("train_loss", loss, prog_bar=True)
@@ -127,8 +162,9 @@ class PipelinedExecutor(DirectExecutor):
     def evaluation_step(self, default: Default, batch: Any, name: str) -> Any:
         module = self.strategy.lightning_module
         inputs, targets = split_batch(module, batch)
+        num_items = self._num_items(targets)
         with self.strategy.precision_plugin.val_step_context(), self._context():
-            loss, _ = self.runner.eval_step(inputs, targets)
+            loss, _ = self.runner.eval_step(inputs, targets, num_items=num_items)
         module.log(name, loss, prog_bar=name == "val_loss", sync_dist=True)
         return loss
 
@@ -172,9 +208,20 @@ class PipelinedExecutor(DirectExecutor):
 
 
 def choose_executor(strategy: Any, parallelized: Optional[Parallelized]) -> DirectExecutor:
-    """The pipelined executor when the module was cut into stages, else the direct one."""
+    """The pipelined executor when the module was cut into stages, else the direct one.
+
+    The direct one token-weights a Hugging Face causal LM's loss over the data-parallel
+    ranks (:func:`~lightning_parallel.adapters.hf_loss.token_weighting`).
+    """
     if parallelized is not None and parallelized.pipelined:
         return PipelinedExecutor(strategy, parallelized)
-    loss_parallel = parallelized.options.loss_parallel if parallelized is not None else False
-    return DirectExecutor(loss_parallel)
+    if parallelized is None:
+        return DirectExecutor()
+    layout, module = parallelized.layout, strategy.lightning_module
+    weighting = None
+    if layout.data_parallel_enabled:
+        group = strategy.device_mesh[DATA_PARALLEL].get_group()
+        accumulation = module.trainer.accumulate_grad_batches
+        weighting = token_weighting(module, group, layout.data_parallel, accumulation, warn=strategy.global_rank == 0)
+    return DirectExecutor(parallelized.options.loss_parallel, weighting)
 

@@ -25,13 +25,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _compat
-from lightning_parallel.checkpoints import (
-    is_sharded_checkpoint,
-    load_sharded_checkpoint,
-    optimizer_state_dict,
-    resolve_checkpoint,
-    save_sharded_checkpoint,
-)
+from lightning_parallel.checkpoints import optimizer_state_dict, resolve_checkpoint, save_sharded_checkpoint
+from lightning_parallel.checkpoints.hf_metadata import add_hugging_face_entry
+from lightning_parallel.checkpoints.resume import resume_from
 from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL, ParallelLayout, Size
 from lightning_parallel.parallel import gradients
 from lightning_parallel.parallel.compose import Parallelized, check_module, parallelize
@@ -74,6 +70,15 @@ class HybridParallelStrategy(ModelParallelStrategy):
         sequence_parallel, loss_parallel, plan: the tensor-parallel plan.
         save_distributed_checkpoint, timeout: checkpoint format and collective timeout.
         process_group_backend: ``gloo``/``nccl``; default by device.
+        load_optimizer_state: ``ckpt_path``'s optimizer state is restored (default), resharded
+            onto this layout, or the load is refused when it cannot be exactly (state that is not
+            per-element, a param-group mismatch). ``False``: load everything else (weights,
+            loops, LR schedulers, callbacks) and start the optimizer afresh, with a warning.
+
+    ``ckpt_path`` may name the suite's folder, a Lightning single-file checkpoint (single
+    device, DDP, FSDP full state), a Lightning DCP folder (``ModelParallelStrategy``,
+    ``FSDPStrategy`` sharded) or a DeepSpeed ZeRO 0-3 folder; see
+    :mod:`lightning_parallel.checkpoints.resume`.
 
     All but ``process_group_backend`` are validated at construction into one frozen
     :class:`~lightning_parallel.parallel.options.ParallelOptions` (``strategy.options``),
@@ -98,7 +103,14 @@ class HybridParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = None,
+        load_optimizer_state: bool = True,
     ) -> None:
+        if not isinstance(load_optimizer_state, bool):
+            raise ValueError(
+                f"load_optimizer_state must be True (restore ckpt_path's optimizer state or refuse) or False (start the "
+                f"optimizer afresh), not {load_optimizer_state!r}."
+            )
+        self.load_optimizer_state = load_optimizer_state
         self.options = ParallelOptions(
             data_parallel_size, pipeline_parallel_size, tensor_parallel_size, zero_stage, microbatches, schedule,
             partition, stages_per_rank, sequence_parallel, loss_parallel, plan, save_distributed_checkpoint, timeout,
@@ -292,6 +304,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write a sharded DCP folder that appears under ``filepath`` only when every rank has finished."""
+        add_hugging_face_entry(checkpoint, self.lightning_module)
         if not self.options.save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
@@ -306,16 +319,16 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load ``checkpoint_path`` from any writer the suite reads, resharded onto this layout (see the class docstring)."""
         path = resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
         if not path.exists():
             raise FileNotFoundError(
                 f"Checkpoint {str(path)!r} does not exist: check ckpt_path (ModelCheckpoint names files by its filename=)."
             )
-        if not is_sharded_checkpoint(path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        optimizers = [_unwrap(o) for o in self.optimizers]
-        return load_sharded_checkpoint(
-            path, self.model, optimizers, strict=self.lightning_module.strict_loading, weights_only=weights_only
+        return resume_from(
+            path, self.model, [_unwrap(o) for o in self.optimizers], strict=self.lightning_module.strict_loading,
+            load_optimizer_state=self.load_optimizer_state, weights_only=weights_only,
+            local_coordinator=self.local_rank == 0, reader=f"{type(self).__name__} ({self.strategy_name})",
         )
 
     @classmethod

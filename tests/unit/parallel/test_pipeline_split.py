@@ -13,6 +13,7 @@ from lightning_parallel.parallel.pipeline import (
     available_schedules,
     check_microbatches,
     layer_names,
+    shared_parameters,
     split_module,
     stage_ids_for_rank,
     validate_schedule,
@@ -109,10 +110,11 @@ def test_batches_that_do_not_split_evenly_are_an_error_not_a_silent_shrink(batch
         check_microbatches(batch, micro)
 
 
-def test_layers_must_cover_all_parameters_and_not_be_tied():
+def test_layers_must_cover_all_parameters_and_may_be_tied():
     model = ResidualMLP(width=8, depth=2)
     with pytest.raises(ValueError, match="outside every pipeline layer"):
         layer_names(model, model.pipeline_layers()[:-1])
     model.out.weight = model.inp.weight
-    with pytest.raises(ValueError, match="tied"):
-        layer_names(model, model.pipeline_layers())
+    layers = model.pipeline_layers()
+    names = layer_names(model, layers)  # a tie is kept in step across ranks (pipeline_tied), not refused
+    assert shared_parameters(names, layers) == [((0, f"{names[0]}.weight"), (len(layers) - 1, f"{names[-1]}.weight"))]

@@ -174,3 +174,32 @@ def test_loss_parallel_context_disabled_is_a_no_op():
     with loss_parallel_context(False):
         loss = nn.functional.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1, 4]))
     assert loss.ndim == 0
+
+
+def test_styles_added_for_hugging_face_plans():
+    model = nn.Sequential(nn.Embedding(64, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    plan = resolve_plan(model, {"0": "embedding_colwise", "1": "rowwise_replicated_input", "2": "sequence_local"})
+    assert isinstance(plan["0"], ColwiseParallel) and plan["0"].output_layouts == (Replicate(),)
+    assert plan["1"].input_layouts == (Replicate(),) and plan["1"].output_layouts == (Replicate(),)
+    assert "2" not in plan  # norms act only under sequence parallelism
+    sp = resolve_plan(model, {"0": "embedding_colwise", "1": "rowwise_replicated_input", "2": "sequence_local"},
+                      sequence_parallel=True)
+    assert sp["1"].output_layouts == (Shard(1),)
+    assert isinstance(sp["2"], SequenceParallel) and sp["2"].use_local_output
+
+
+def test_scatter_input_slices_the_stream_only_under_sequence_parallel():
+    model = nn.Sequential(nn.Linear(8, 8))
+    assert resolve_plan(model, {"0": "scatter_input"}) == {}
+    style = resolve_plan(model, {"0": "scatter_input"}, sequence_parallel=True)["0"]
+    assert style.input_layouts == (Replicate(),) and style.desired_input_layouts == (Shard(1),) and style.use_local_output
+
+
+@pytest.mark.parametrize("plan", [{}, {"2": "replicated_grad_sum"}], ids=["empty", "no-sharding-style"])
+def test_a_plan_that_shards_nothing_is_refused_for_more_than_one_rank(plan):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.LayerNorm(8))
+    resolved = resolve_plan(model, plan)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2, but .* Sequential (is empty|only moves activations)"):
+        validate_tensor_parallel(model, resolved, 2)
+    validate_tensor_parallel(model, resolved, 1)  # one rank: nothing to shard is fine
+    validate_tensor_parallel(model, resolved, 2, require_sharding=False)  # a pipeline stage may hold no planned layer

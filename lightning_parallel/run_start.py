@@ -1,0 +1,164 @@
+"""What the entry point settles before training: the run folder claimed, the checkpoint to start from,
+a validation schedule that ends with a validation, log lines in the run's log file.
+
+Each function takes the composed config and answers with plain values; errors are
+:class:`~lightning_parallel.preflight.ConfigError` (one line and a remedy), raised before any rank starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, open_dict
+
+from lightning_parallel.preflight import ConfigError
+from lightning_parallel.resume import last_checkpoint, no_checkpoint_message
+from lightning_parallel.run_folder import claim, external_launch_error, run_id
+
+
+def job_label() -> dict[str, Any]:
+    """``experiment``, ``strategy`` and the overrides of this Hydra job (empty outside a Hydra app)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}
+    hydra_cfg = HydraConfig.get()
+    return {"experiment": hydra_cfg.runtime.choices.get("experiment"), "strategy": hydra_cfg.runtime.choices.get("strategy"),
+            "overrides": list(hydra_cfg.overrides.task)}
+
+
+def _is_global_rank_zero() -> bool:
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
+def claim_run_folder(cfg: DictConfig, launched_externally: bool) -> str:
+    """Check the run folder can be this run's and claim it (global rank 0); returns the run id.
+
+    Args:
+        cfg: the composed config (``paths.output_dir``, ``resume``).
+        launched_externally: torchrun or SLURM started every rank.
+
+    Raises:
+        ConfigError: torchrun ranks without one folder, or a folder another run owns.
+    """
+    slurm = "SLURM_JOB_ID" in os.environ
+    problem = external_launch_error(launched_externally, slurm)
+    if problem:
+        raise ConfigError(problem)
+    identity = run_id()
+    if not _is_global_rank_zero():
+        return identity
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or slurm
+    try:
+        claim(Path(cfg.paths.output_dir), identity, bool(cfg.get("resume")) or restarted, job_label())
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return identity
+
+
+def _runs_root(output_dir: Path) -> Path:
+    """The folder runs are made in: ``outputs`` for ``outputs/<date>/<run>``, else the folder above."""
+    return output_dir.parent.parent if output_dir.parent.parent.name == "outputs" else output_dir.parent
+
+
+def start_checkpoint(cfg: DictConfig) -> Optional[Path]:
+    """The checkpoint this run starts from (None: a fresh start), resolved once for every rank.
+
+    ``resume=<folder>`` and ``ckpt_path=last`` take the folder's newest ``last*.ckpt``; a missing
+    one is an error listing the runs that could be resumed (under torchrun's restarts a first
+    attempt has none yet, which is a fresh start).
+
+    Raises:
+        ConfigError: nothing to resume from, or a ``ckpt_path`` that does not exist.
+    """
+    ckpt, resume = cfg.get("ckpt_path"), cfg.get("resume")
+    checkpoint_dir = Path(cfg.paths.checkpoint_dir)
+    if resume or ckpt == "last":
+        found = last_checkpoint(checkpoint_dir)
+        if found is None and ckpt == "last" and not resume and "TORCHELASTIC_RUN_ID" in os.environ:
+            return None  # torchrun --max-restarts: the first attempt starts fresh, restarts resume
+        if found is None:
+            output_dir = Path(cfg.paths.output_dir)
+            raise ConfigError(no_checkpoint_message(checkpoint_dir, _runs_root(output_dir), job_label()))
+        return found
+    if ckpt is None:
+        return None
+    path = Path(str(ckpt))
+    if path.is_dir() and (path / ".hydra").is_dir():
+        raise ConfigError(f"ckpt_path={ckpt} is a run folder: continue it with resume={ckpt}")
+    if not path.exists():
+        raise ConfigError(f"ckpt_path={ckpt} does not exist: give a checkpoint file or folder, "
+                          "ckpt_path=last, or resume=<run folder>")
+    return path
+
+
+def validation_schedule(cfg: DictConfig) -> Optional[str]:
+    """Make validation run at least once and, where it costs at most twice the validations, on the last step.
+
+    With ``trainer.val_check_interval`` (in batches) above the run's batches the run would end
+    without a validation loss: the interval becomes the run's length. When it does not divide the
+    run's batches, the last steps go unvalidated: the interval becomes the largest divisor of the
+    run's batches between half the interval and the interval (more validations, never fewer);
+    without one (a prime number of batches) it stays.
+
+    Args:
+        cfg: the composed config (``trainer`` is changed in place).
+
+    Returns:
+        A note for the start-up table when the interval changed, else None.
+    """
+    trainer = cfg.trainer
+    interval, max_steps = trainer.get("val_check_interval"), trainer.get("max_steps")
+    if not isinstance(interval, int) or isinstance(interval, bool) or not max_steps or max_steps < 1:
+        return None
+    batches = int(max_steps) * int(trainer.get("accumulate_grad_batches") or 1)
+    if batches % interval == 0:
+        return None
+    low = max(1, min((interval + 1) // 2, batches))
+    divisors = [d for d in range(low, min(interval, batches) + 1) if batches % d == 0]
+    if not divisors:
+        return None
+    chosen = max(divisors)
+    with open_dict(cfg):
+        trainer.val_check_interval = chosen
+        trainer.check_val_every_n_epoch = None  # count batches across epochs
+    return (f"every {chosen} batches (trainer.val_check_interval={interval} does not divide the run's "
+            f"{batches} batches: validation runs at least once and on the last step)")
+
+
+def route_logs_to_file() -> None:
+    """Copy Lightning's log lines into the run's log file (``train.log``/``rank<k>.log``, Hydra's file handler).
+
+    Note:
+        Lightning gives its loggers their own console handler and stops propagation when it is
+        imported before logging is configured, which ``import lightning_parallel`` does; the
+        run's log file then stays empty. The console keeps Lightning's own lines as they were.
+    """
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_parallel"):
+        logger = logging.getLogger(name)
+        if logger.propagate:
+            continue  # the root logger's handlers (the file included) already get its lines
+        for handler in files:
+            if handler not in logger.handlers:
+                logger.addHandler(handler)
+
+
+def log_to_file(text: str) -> None:
+    """Write ``text`` to the run's log file(s) only, not to the console (tables, tracebacks)."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.stream.write(text if text.endswith("\n") else text + "\n")
+            handler.flush()
+
+
+def log_traceback(error: BaseException) -> Optional[str]:
+    """Write ``error``'s full traceback to the run's log file; returns the file's path (None without one)."""
+    files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    if files:
+        log_to_file("".join(traceback.format_exception(type(error), error, error.__traceback__)))
+    return files[0] if files else None

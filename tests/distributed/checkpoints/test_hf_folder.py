@@ -1,0 +1,113 @@
+"""Hugging Face folders in and out under pp2 x tp2 (issue 15): a ``save_pretrained`` folder loaded by
+:class:`~lightning_parallel.callbacks.HuggingFaceWeights` (each rank reading its slices) trains with the losses of one
+process that loaded it with ``from_pretrained``; the trained checkpoint exported with ``lp-convert --to hf`` loads
+with ``from_pretrained`` and gives the one-process trained model's logits. Llama (untied) and Qwen2 (tied embeddings).
+"""
+
+from functools import partial
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from examples.nlp.hf_causal_lm import HFCausalLM
+from examples.nlp.hf_data import PaddedTextDataModule
+from lightning_parallel.callbacks import HuggingFaceWeights
+from lightning_parallel.checkpoints.convert import main as lp_convert
+from lightning_parallel.strategies import HybridParallelStrategy as Hybrid
+from lightning_parallel.testing import LossHistory, max_abs_difference, run_processes
+
+transformers = pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
+pytestmark = pytest.mark.slow
+
+FAMILIES = ("llama", "qwen2")  # qwen2: tie_word_embeddings=True
+# Tied embeddings under a pipeline split drift from one process after step 2 through the Trainer (2.9e-3 by step 4,
+# seen identically without HuggingFaceWeights, from_config init, pp2 and pp2 x tp2): a training-parity issue outside
+# the folder loader. For these families the first step and the export's exactness are checked, not 4-step parity.
+TRAINING_DRIFT = {"qwen2"}
+GLOBAL_BATCH, SEQ_LEN, STEPS, TOLERANCE = 8, 32, 4, 1e-5
+PROBE = torch.arange(2 * SEQ_LEN).reshape(2, SEQ_LEN) % 120 + 3  # fixed token ids for the logits comparison
+
+
+def _module(family, seed, folder=None):
+    torch.manual_seed(seed)
+    # No weight decay: the recipe exempts the tied embedding by name, which misses the LM head's copy on the last
+    # pipeline stage (a recipe issue, reported separately, not what this test is about).
+    module = HFCausalLM(family, optimizer=partial(torch.optim.AdamW, lr=1e-2), weight_decay=0.0)
+    if folder is not None:  # the one-process reference: the user's from_pretrained
+        module.model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
+    return module
+
+
+def _fit(world_size, strategy, module, callbacks=()):
+    history = LossHistory()
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, gradient_clip_val=0.5, callbacks=[history, *callbacks])
+    trainer.fit(module, datamodule=PaddedTextDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, max_bytes=40_000))
+    return history.losses, trainer
+
+
+def _reference(rank, world_size, root):
+    """Writes each family's pretrained folder, then trains what from_pretrained loads from it (one process)."""
+    out = {}
+    for family in FAMILIES:
+        folder = Path(root) / f"{family}-pretrained"
+        _module(family, seed=0).model.save_pretrained(folder)
+        module = _module(family, seed=5, folder=folder)
+        losses, _ = _fit(1, "auto", module)
+        with torch.no_grad():
+            out[family] = (losses, module.model(input_ids=PROBE).logits)
+    return out
+
+
+def _parallel(rank, world_size, root):
+    """pp2 x tp2 from a differently seeded module: the callback must replace every weight with the folder's."""
+    out = {}
+    for family in FAMILIES:
+        loader = HuggingFaceWeights(Path(root) / f"{family}-pretrained")
+        strategy = Hybrid(pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=4)
+        losses, trainer = _fit(world_size, strategy, _module(family, seed=7), [loader])
+        trainer.save_checkpoint(Path(root) / f"{family}-pp2xtp2.ckpt")
+        out[family] = (losses, loader.report)
+    return out
+
+
+def test_a_pretrained_folder_trains_under_pp2_x_tp2_and_exports_back_to_a_folder(tmp_path):
+    (reference,) = run_processes(_reference, 1, str(tmp_path), timeout=900)
+    parallel = run_processes(_parallel, 4, str(tmp_path), timeout=900)
+    for family in FAMILIES:
+        losses, logits = reference[family]
+        for rank, result in enumerate(parallel):
+            got, report = result[family]
+            first, every = abs(got[0] - losses[0]), max_abs_difference(got, losses)
+            print(f"{family} rank {rank}: first-step |loss diff| {first:.2e}, {STEPS} steps {every:.2e}, read {report}")
+            assert first < TOLERANCE, (family, rank, got, losses)
+            assert family in TRAINING_DRIFT or every < TOLERANCE, (family, rank, got, losses)
+        _check_export(tmp_path, family, logits)
+
+
+def _check_export(root, family, logits):
+    """lp-convert --to hf of the pp2 x tp2 checkpoint: from_pretrained gives the trained model's logits."""
+    from safetensors import safe_open
+
+    from lightning_parallel.checkpoints.export import consolidate
+
+    saved, exported = root / f"{family}-pp2xtp2.ckpt", root / f"{family}-hf"
+    meta = torch.load(saved / "meta.pt", weights_only=True)
+    extra = [] if "hugging_face" in meta else ["--hf-config", str(root / f"{family}-pretrained")]
+    assert lp_convert([str(saved), str(exported), "--to", "hf", *extra]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    with torch.no_grad():
+        diff = (model(input_ids=PROBE).logits - logits).abs().max().item()
+    print(f"{family}: exported logits vs one-process trained model {diff:.2e} (recorded model: {not extra})")
+    assert family in TRAINING_DRIFT or diff < TOLERANCE
+    trained = {k[len("model."):]: v for k, v in consolidate(saved).items()}
+    for name, value in model.state_dict().items():  # the export is the checkpoint, bit for bit
+        torch.testing.assert_close(value, trained[name], rtol=0, atol=0, msg=name)
+    with safe_open(str(exported / "model.safetensors"), framework="pt") as handle:
+        keys = set(handle.keys())
+    assert not any(k.startswith("model.model.") for k in keys)  # no LightningModule prefix
+    tied = model.config.tie_word_embeddings
+    assert ("lm_head.weight" in keys) != tied and (model.lm_head.weight is model.model.embed_tokens.weight) == tied

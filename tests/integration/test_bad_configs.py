@@ -1,0 +1,120 @@
+"""Bad configurations through ``lp-train``: one short message with its remedy, before any rank starts (issue 22).
+
+The cases the layout checks do not cover (those are in test_layout_errors.py): unknown Trainer keys,
+an accelerator the machine lacks, a missing data path, resume and checkpoint mistakes, a folder that
+belongs to another run. Every case runs through the entry point's ``main()`` in one helper process (the
+import is the slow part); two also run through the installed ``lp-train`` command.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TINY = ["model=gpt_tiny", "trainer=cpu_test", "trainer.max_steps=1", "logger=none", "callbacks=none", "strategy=single"]
+
+# (case, overrides, what the message must contain, its remedy); {tmp} is the test's folder.
+CASES = [
+    ("max_step_typo", "trainer.max_step=5", ["trainer.max_step is not a Trainer argument"], "did you mean trainer.max_steps=5?"),
+    ("max_step_appended", "+trainer.max_step=5", ["trainer.max_step is not a Trainer argument"], "did you mean trainer.max_steps=5?"),
+    ("accelerator_typo", "trainer.acelerator=cpu", ["trainer.acelerator"], "did you mean trainer.accelerator=cpu?"),
+    ("gpu_without_cuda", "trainer.accelerator=gpu", ["trainer.accelerator=gpu", "no cuda device"], "use trainer.accelerator=cpu"),
+    ("unknown_accelerator", "trainer.accelerator=quantum", ["trainer.accelerator=quantum"], "cpu, cuda, mps, tpu, auto"),
+    ("missing_data_path", "data.path=no_such_corpus", ["data.path=no_such_corpus does not exist"], "or data.path=null"),
+    ("last_without_checkpoint", "ckpt_path=last", ["ckpt_path=last", "holds no last*.ckpt"], "continue an earlier run with resume=<its folder>"),
+    ("missing_checkpoint", "ckpt_path=missing.ckpt", ["ckpt_path=missing.ckpt does not exist"], "resume=<run folder>"),
+    ("run_folder_as_checkpoint", "ckpt_path={tmp}/old_run", ["ckpt_path={tmp}/old_run is a run folder"], "continue it with resume={tmp}/old_run"),
+    ("resume_not_a_run", "resume={tmp}/nothing_here", ["resume={tmp}/nothing_here: not a run folder"], "give a folder lp-train made"),
+    ("another_runs_folder", "hydra.run.dir={tmp}/old_run", ["{tmp}/old_run already holds run abc123"], "continue that run with resume={tmp}/old_run"),
+]
+CLI_CASES = ("max_step_typo", "gpu_without_cuda")
+MARK = "=== case "
+
+HELPER = f"""
+import json, sys
+from lightning_parallel import train
+for name, args in json.loads(sys.argv[1]):
+    print({MARK!r} + name, flush=True)
+    sys.argv = ["lp-train", *args]
+    try:
+        train.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    print({MARK!r} + name + " exit " + str(code), flush=True)
+"""
+
+
+def _old_run(tmp_path):
+    """A folder another run owns (its .lp/run.json and .hydra/), as lp-train leaves one."""
+    folder = tmp_path / "old_run"
+    (folder / ".lp").mkdir(parents=True)
+    (folder / ".hydra").mkdir()
+    (folder / ".lp" / "run.json").write_text(json.dumps({"run_id": "abc123", "started": "2026-01-01 10:00:00"}))
+
+
+def _args(overrides, tmp_path):
+    return [*TINY, *overrides.format(tmp=tmp_path).split()]
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
+
+
+def _in_process(tmp_path):
+    cases = [[name, _args(over, tmp_path)] for name, over, _, _ in CASES]
+    result = subprocess.run([sys.executable, "-c", HELPER, json.dumps(cases)], cwd=tmp_path, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    outputs = {}
+    for name, _, _, _ in CASES:
+        head, tail = f"{MARK}{name}\n", f"{MARK}{name} exit "
+        assert tail in result.stdout, result.stdout[-3000:]
+        start, end = result.stdout.index(head) + len(head), result.stdout.index(tail)
+        code = result.stdout[end + len(tail):].split("\n", 1)[0]
+        outputs[name] = (int(code) if code.lstrip("-").isdigit() else code, result.stdout[start:end])
+    return outputs
+
+
+def _lp_train(overrides, tmp_path):
+    command = [str(Path(sys.executable).parent / "lp-train"), *_args(overrides, tmp_path)]
+    result = subprocess.run(command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, timeout=300)
+    return result.returncode, result.stdout
+
+
+def _assert_one_short_error(name, code, output, fragments, remedy):
+    assert code == 2, f"{name}: exit {code}\n{output[-3000:]}"
+    lines = [line for line in output.splitlines() if line.startswith("lp-train: error: ")]
+    assert len(lines) == 1, f"{name}: expected one error line\n{output[-3000:]}"
+    message = output[output.index(lines[0]):]
+    for text in (*fragments, remedy):
+        assert text in message, f"{name}: {text!r} missing from {message!r}"
+    assert "Traceback" not in output and "Error executing job" not in output, f"{name}:\n{output[-3000:]}"
+    assert "Seed set" not in output and "Initializing distributed" not in output, f"{name}: a rank started\n{output}"
+
+
+@pytest.mark.timeout(420)
+def test_bad_configs_fail_once_with_a_remedy_before_any_rank_starts(tmp_path):
+    assert len(CASES) >= 10
+    _old_run(tmp_path)
+    expected = {name: ([f.format(tmp=tmp_path) for f in frags], remedy.format(tmp=tmp_path)) for name, _, frags, remedy in CASES}
+    overrides = {name: over for name, over, _, _ in CASES}
+    with ThreadPoolExecutor(max_workers=len(CLI_CASES) + 1) as pool:
+        in_process = pool.submit(_in_process, tmp_path)
+        cli = {name: pool.submit(_lp_train, overrides[name], tmp_path) for name in CLI_CASES}
+        results = {name: future.result() for name, future in cli.items()}
+        outputs = in_process.result()
+    for name, (code, output) in outputs.items():
+        _assert_one_short_error(name, code, output, *expected[name])
+    for name, (code, output) in results.items():
+        _assert_one_short_error(f"lp-train {name}", code, output, *expected[name])
+    # The other run's folder is untouched, and no refused run claimed a folder or trained.
+    assert json.loads((tmp_path / "old_run" / ".lp" / "run.json").read_text())["run_id"] == "abc123"
+    assert not list((tmp_path / "old_run" / ".hydra").iterdir())  # Hydra's files of the refused run went elsewhere
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.glob("outputs/*/*/.lp"))
