@@ -30,15 +30,15 @@ this suite, which use them to split the model:
 * ``pipeline_split_batch(batch)`` -- how a batch splits into model input and target
   (default: an ``(inputs, targets)`` pair; for a module holding a Hugging Face model, a
   dict batch splits into the dict without ``labels`` and the ``labels``).
-
-A module that defines none of the pipeline methods but holds a Hugging Face decoder-only
-causal LM is split from the model's own pipeline plan (:mod:`lightning_parallel.adapters.hf_pipeline`),
-with ``transformers``' causal-LM loss taken as token-weighted terms.
 * ``tensor_parallel_plan()`` -- submodule names (fnmatch globs such as ``"blocks.*.mlp.up"``
   allowed) mapped to a torch ``ParallelStyle`` or a style name of
   :data:`lightning_parallel.parallel.tensor.STYLE_NAMES`. Reshape activations with ``-1``
   for the sharded dimension (``view(B, T, -1, head_dim)``) so a rank can hold a slice of
   the heads.
+
+A module that defines none of the pipeline methods but holds a Hugging Face decoder-only
+causal LM is split from the model's own pipeline plan (:mod:`lightning_parallel.adapters.hf_pipeline`),
+with ``transformers``' causal-LM loss taken as token-weighted terms.
 
 The recipes under ``examples/`` implement these methods without importing anything from
 the suite but :mod:`lightning_parallel.resumable_loader` (never ``strategies`` or

@@ -126,7 +126,8 @@ def validation_schedule(cfg: DictConfig) -> Optional[str]:
     with open_dict(cfg):
         trainer.val_check_interval = chosen
         trainer.check_val_every_n_epoch = None  # count batches across epochs
-    return (f"every {chosen} batches (trainer.val_check_interval={interval} does not divide the run's "
+    why = "is longer than" if interval > batches else "does not divide"
+    return (f"every {chosen} batches (trainer.val_check_interval={interval} {why} the run's "
             f"{batches} batches: validation runs at least once and on the last step)")
 
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch import Tensor, nn
 
+from lightning_parallel.adapters.hf import find_hf_model
 from lightning_parallel.adapters.pipeline_plan import PipelinePlan, pipeline_plan
 from lightning_parallel.layout import DATA_PARALLEL, TENSOR_PARALLEL, ParallelLayout
 from lightning_parallel.parallel import pipeline_tied
@@ -211,9 +212,24 @@ def _tie_copies(module: nn.Module, split: PipelineSplit, stages: list, layout: P
 def _data_axis_layers(module: nn.Module, split: Optional[PipelineSplit]) -> list[nn.Module]:
     """Layers that become their own FSDP2 unit: not those holding a tied parameter (their stage root takes it)."""
     if split is None:
-        return list(module.pipeline_layers()) if callable(getattr(module, "pipeline_layers", None)) else []
+        if callable(getattr(module, "pipeline_layers", None)):
+            return list(module.pipeline_layers())
+        found = find_hf_model(module)  # a decoder's blocks: gathered one at a time, as under pipelining
+        blocks = getattr(getattr(found[1], "base_model", None), "layers", None) if found is not None else None
+        return list(blocks) if isinstance(blocks, nn.ModuleList) else []
     tied = {index for holders in split.shared for index, _ in holders}
     return [module.get_submodule(name) for index, name in enumerate(split.names) if index not in tied]
+
+
+def _data_axis_roots(module: nn.Module) -> list[nn.Module]:
+    """FSDP2 roots without pipelining: a Hugging Face model the module holds first, then the module.
+
+    A zero-glue ``training_step`` calls ``self.model(**batch)`` and never the LightningModule's
+    ``forward``, and FSDP2 gathers a root's own parameters in that root's forward: the model
+    being called must be a root itself, or its embedding would stay sharded.
+    """
+    found = find_hf_model(module)
+    return [found[1], module] if found is not None and found[0] else [module]
 
 
 def parallelize(
@@ -261,7 +277,8 @@ def parallelize(
         apply_tensor_parallel(module, mesh[TENSOR_PARALLEL], local_plan)
     # (3) activation checkpointing and (4) the mixed-precision policy slot in here.
     if options.zero_stage:
-        shard_data_axis(_data_axis_layers(module, split), stages or [module], mesh[DATA_PARALLEL], options.zero_stage)
+        roots = stages or _data_axis_roots(module)
+        shard_data_axis(_data_axis_layers(module, split), roots, mesh[DATA_PARALLEL], options.zero_stage)
     pipeline_tied.mark_copies(module, tied)  # after FSDP2/TP replaced the parameter objects
     loss_fn, count = (pipe.loss_fn, pipe.count_items) if pipe is not None else (None, None)
     return Parallelized(layout, options, plan, split, tuple(stages), tuple(stage_ids), last, loss_fn, count, tuple(tied))

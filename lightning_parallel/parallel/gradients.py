@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel.parallel.pipeline_tied import TIED_COPY_ATTR
+
 
 def _grads_by_mesh(parameters: Iterable[Tensor]) -> dict[object, list[Tensor]]:
     from torch.distributed.tensor import DTensor
@@ -49,6 +51,9 @@ def total_grad_norm(
     from torch.distributed.tensor import DTensor
 
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    # A parameter tied across pipeline ranks (embedding and LM head) has a copy on each holder,
+    # with the same summed gradient: count it once, as Megatron-LM skips ``param.shared``.
+    params = [p for p in params if not getattr(p, TIED_COPY_ATTR, False)]
     norm_type = float(norm_type)
     norms = []
     for grads in _grads_by_mesh(params).values():

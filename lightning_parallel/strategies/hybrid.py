@@ -28,6 +28,7 @@ from lightning_parallel import _compat
 from lightning_parallel.checkpoints import optimizer_state_dict, resolve_checkpoint, save_sharded_checkpoint
 from lightning_parallel.checkpoints.hf_metadata import add_hugging_face_entry
 from lightning_parallel.checkpoints.resume import resume_from
+from lightning_parallel.checkpoints.to_lightning import parameter_order_entry
 from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL, ParallelLayout, Size
 from lightning_parallel.parallel import gradients
 from lightning_parallel.parallel.compose import Parallelized, check_module, parallelize
@@ -313,6 +314,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         checkpoint["lightning_parallel"] = {
             "layout": self.layout.shape, "zero_stage": self.options.zero_stage, "schedule": self.options.schedule
         }
+        # The configure_optimizers order of parameters (a collective: every rank saves), so
+        # `lp-convert --to lightning` can key optimizer state by index as Lightning does.
+        checkpoint["lightning_parallel"].update(parameter_order_entry(self.model, [_unwrap(o) for o in self.optimizers]))
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         save_sharded_checkpoint(path, state, checkpoint, self.global_rank == 0, self.barrier)

@@ -188,12 +188,7 @@ def _check_parity(references: dict, per_rank: list[dict], case: str) -> None:
             assert diff < TOL, f"{case} rank {rank} {value}: max |diff| {diff:.2e}"
 
 
-# FSDP2's root is the LightningModule, whose forward a zero-glue training_step never calls (it calls
-# self.model): the parameters stay sharded DTensors. Fixed once compose.parallelize also makes the
-# Hugging Face model a root of shard_data_axis (see the report of issue 15); strict, so the fix shows.
-ZERO2_ROOT = pytest.mark.xfail(strict=True, reason="compose: the HF model is not an FSDP2 root (zero-glue ZeRO-2/3)")
-DIRECT_CASES = [pytest.param(c, marks=ZERO2_ROOT) if c == "llama/hybrid_dp2_zero2" else c
-                for c in TWO_PROCESS if not c.startswith("control/")]
+DIRECT_CASES = [c for c in TWO_PROCESS if not c.startswith("control/")]
 
 
 @pytest.mark.parametrize("case", DIRECT_CASES)

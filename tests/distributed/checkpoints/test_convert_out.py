@@ -6,11 +6,9 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_parallel.checkpoints.convert import main as lp_convert
-from lightning_parallel.checkpoints.to_lightning import ORDER_KEY, parameter_order_entry
 from lightning_parallel.strategies import HybridParallelStrategy as Hybrid
 from lightning_parallel.testing import LossHistory, max_abs_difference, run_processes
 from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
@@ -20,21 +18,6 @@ pytestmark = pytest.mark.slow
 BATCHES = 4  # per epoch; checkpoints are taken at the end of epoch 0
 GLOBAL_BATCH = 16
 SAVE_LAYOUTS = {"dp2xtp2": {"tensor_parallel_size": 2}, "pp2xtp2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}}
-
-
-class _Recording(Hybrid):
-    """Adds the param-group order to the saved folder when the strategy does not record it itself yet."""
-
-    def save_checkpoint(self, checkpoint, filepath, storage_options=None):
-        entry = parameter_order_entry(self.model, [getattr(o, "optimizer", o) for o in self.optimizers])
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-        meta_file = Path(filepath) / "meta.pt"
-        if self.global_rank == 0:
-            meta = torch.load(meta_file, weights_only=True)
-            if ORDER_KEY not in meta["lightning_parallel"]:
-                meta["lightning_parallel"].update(entry)
-                torch.save(meta, meta_file)
-        self.barrier()
 
 
 def _fit(world_size, strategy, epochs, callbacks=(), ckpt_path=None, seed=0):
@@ -54,7 +37,7 @@ def _fit(world_size, strategy, epochs, callbacks=(), ckpt_path=None, seed=0):
 def _save_all(rank, world_size, root):
     for name, sizes in SAVE_LAYOUTS.items():
         saver = ModelCheckpoint(dirpath=root, filename=name, save_top_k=-1, save_on_train_epoch_end=True)
-        _fit(world_size, _Recording(**sizes), 1, [saver])
+        _fit(world_size, Hybrid(**sizes), 1, [saver])
 
 
 def _resume_all(rank, world_size, root, strategy, reference):

@@ -71,7 +71,45 @@ def _parallel(rank, world_size, root):
         losses, trainer = _fit(world_size, strategy, _module(family, seed=7), [loader])
         trainer.save_checkpoint(Path(root) / f"{family}-pp2xtp2.ckpt")
         out[family] = (losses, loader.report)
+    out["dp2xtp2-zero3"] = _loaded_under_fsdp(world_size, Path(root) / "llama-pretrained")
     return out
+
+
+class _CompareAndStop(pl.Callback):
+    """Right after HuggingFaceWeights: every parameter, gathered whole, against the folder; then stops the run."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_fit_start(self, trainer, module):
+        from safetensors.torch import load_file
+        from torch.distributed.tensor import DTensor
+
+        stored = load_file(self.folder / "model.safetensors")
+        worst, placements = 0.0, set()
+        for name, param in module.named_parameters():
+            if isinstance(param, DTensor):
+                placements.add(str(param.placements))
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            worst = max(worst, (full.detach() - stored[name[len("model."):]]).abs().max().item())
+        raise _Stop(worst, placements)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _loaded_under_fsdp(world_size, folder):
+    """FSDP2 over tensor parallelism: strided shards (read whole, kept local) next to plain row/column shards."""
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=Hybrid(tensor_parallel_size=2, zero_stage=3),
+                         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=0,
+                         callbacks=[HuggingFaceWeights(folder), _CompareAndStop(folder)])
+    try:
+        trainer.fit(_module("llama", seed=7), datamodule=PaddedTextDataModule(seq_len=SEQ_LEN, batch_size=4, max_bytes=40_000))
+    except _Stop as stop:
+        return stop.args
+    raise AssertionError("the comparison did not run")
 
 
 def test_a_pretrained_folder_trains_under_pp2_x_tp2_and_exports_back_to_a_folder(tmp_path):
@@ -86,6 +124,10 @@ def test_a_pretrained_folder_trains_under_pp2_x_tp2_and_exports_back_to_a_folder
             assert first < TOLERANCE, (family, rank, got, losses)
             assert family in TRAINING_DRIFT or every < TOLERANCE, (family, rank, got, losses)
         _check_export(tmp_path, family, logits)
+    for rank, result in enumerate(parallel):
+        worst, placements = result["dp2xtp2-zero3"]
+        print(f"llama dp2 x tp2 ZeRO-3 rank {rank}: max |loaded - folder| {worst:.1e}, placements {sorted(placements)}")
+        assert worst == 0.0 and any("StridedShard" in p for p in placements)
 
 
 def _check_export(root, family, logits):
