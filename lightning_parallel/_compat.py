@@ -1,4 +1,4 @@
-"""The only door to private or undocumented parts of Lightning, torch and DeepSpeed.
+"""The only door to private or undocumented parts of Lightning, torch, DeepSpeed and transformers.
 
 Every use of another package's private name (or of an internal with no documented
 contract) goes through this module, with a one-line reason. ``tests/unit/test_compat.py``
@@ -6,7 +6,7 @@ asserts that each touch point still exists, with the signature relied on, in the
 versions, so an upgrade fails in one named test instead of deep inside a training run.
 
 Supported versions (``pyproject.toml`` pins the same ranges; CI installs inside them):
-lightning 2.6, torch 2.13, deepspeed 0.19, torchdata 0.11.
+lightning 2.6, torch 2.13, deepspeed 0.19, torchdata 0.11, transformers 5 (optional).
 
 Touch points, by package:
 
@@ -19,6 +19,7 @@ Touch points, by package:
   state-dict layout of :func:`epoch_end_loop_progress` / :func:`drop_loader_position`.
 * torch: :func:`dcp_set_element`, :func:`dcp_metadata_path`, :func:`load_planner_target`.
 * DeepSpeed: :func:`zero_merge_trainable_params`, :func:`zero3_param_coordinator`.
+* transformers: :func:`hf_class_plans`.
 """
 
 from __future__ import annotations
@@ -212,3 +213,14 @@ def zero3_param_coordinator(engine: Any) -> Any:
     offload = getattr(optimizer, "parameter_offload", optimizer)
     get_coordinator = getattr(offload, "get_param_coordinator", None)
     return get_coordinator() if callable(get_coordinator) else None
+
+
+def hf_class_plans(model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The class-level ``(_tp_plan, _pp_plan)`` of a transformers model (empty dicts when absent).
+
+    Why private: transformers keeps the LM head's part of its parallel plans (``lm_head``:
+    ``colwise_gather_output`` / ``(["hidden_states"], ["logits"])``) only in these class
+    attributes; the base model's part is public (``config.base_model_tp_plan``/``_pp_plan``).
+    """
+    cls = type(model)
+    return dict(getattr(cls, "_tp_plan", None) or {}), dict(getattr(cls, "_pp_plan", None) or {})

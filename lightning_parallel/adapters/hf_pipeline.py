@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_parallel import _compat
 from lightning_parallel.parallel.stages import StageModule
 
 BASE_ROLES = {"embed_tokens": "embed", "layers": "decoder", "norm": "norm"}
@@ -72,9 +73,9 @@ def check_hf_pipeline(model: nn.Module) -> None:
             f"{cls} is an encoder-decoder model: the suite pipelines decoder-only causal LMs from their pipeline plan. "
             + _remedy(cls)
         )
-    base_plan, head_plan = getattr(config, "base_model_pp_plan", None), getattr(type(model), "_pp_plan", None)
+    base_plan, head_plan = getattr(config, "base_model_pp_plan", None), _compat.hf_class_plans(model)[1]
     if not base_plan or not head_plan:
-        missing = "config.base_model_pp_plan" if not base_plan else f"{cls}._pp_plan (the LM head)"
+        missing = "config.base_model_pp_plan" if not base_plan else f"the LM head entry of {cls}'s class pipeline plan"
         raise ValueError(f"{cls} has no pipeline plan: {missing} is missing. " + _remedy(cls))
     unknown = sorted((set(base_plan) - set(BASE_ROLES)) | (set(head_plan) - set(HEAD_ROLES)))
     if unknown or set(base_plan) != set(BASE_ROLES):
@@ -111,7 +112,7 @@ def hf_pipeline_layers(prefix: str, model: nn.Module) -> list[tuple[str, nn.Modu
             result += [(f"{base_prefix}.{key}.{i}", layer, "decoder") for i, layer in enumerate(block)]
         else:
             result.append((f"{base_prefix}.{key}", block, BASE_ROLES[key]))
-    for key in type(model)._pp_plan:
+    for key in _compat.hf_class_plans(model)[1]:
         result.append((".".join(p for p in (head_prefix, key) if p), model.get_submodule(key), HEAD_ROLES[key]))
     return result
 

@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_parallel import _compat
 from lightning_parallel.adapters.hf import find_hf_model
 from lightning_parallel.parallel.tensor_styles import is_norm
 
@@ -85,7 +86,7 @@ def _model_plan(model: nn.Module) -> dict[str, Any]:
     plan = getattr(model, "tp_plan", None)
     if isinstance(plan, dict) and plan:
         return dict(plan)
-    merged = dict(getattr(type(model), "_tp_plan", None) or {})
+    merged = _compat.hf_class_plans(model)[0]
     base_plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
     prefix = getattr(model, "base_model_prefix", "")
     base_root = f"{prefix}." if prefix and hasattr(model, prefix) else ""
