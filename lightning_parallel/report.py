@@ -199,7 +199,7 @@ def result_rows(trainer: Any, metrics: dict[str, float], cfg: Any) -> list[tuple
     """
     from pathlib import Path
 
-    from lightning_parallel.resume import last_checkpoint
+    from lightning_parallel.run_resume import last_checkpoint
 
     def shown(value: Any) -> str:
         return f"{value:.4f}" if isinstance(value, float) else str(value)

@@ -8,7 +8,7 @@ external launcher (torchrun, SLURM) the entry point starts the other local ranks
 
 The edges of a run: every run gets its own folder (:mod:`lightning_parallel.run_folder`);
 ``ckpt_path=last`` and ``resume=<folder>`` are resolved before anything starts
-(:mod:`lightning_parallel.resume`); Ctrl-C/SIGTERM stop every rank at one step with a checkpoint
+(:mod:`lightning_parallel.run_resume`); Ctrl-C/SIGTERM stop every rank at one step with a checkpoint
 (:mod:`lightning_parallel.signals`); every error is one line with its remedy (the traceback goes to
 the run's ``train.log``); a multirun exits with the number of jobs that failed.
 """
@@ -206,7 +206,7 @@ def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None
     from lightning.pytorch.utilities import rank_zero_only
 
     from lightning_parallel.report import print_table, result_rows, startup_table
-    from lightning_parallel.resume import describe_start
+    from lightning_parallel.run_resume import describe_start
 
     pl.seed_everything(cfg.seed, workers=True)
     strategy, layout = prepared or preflight(cfg)
@@ -256,7 +256,7 @@ def _report_stop(cfg: DictConfig) -> None:
     """After a stop on SIGINT/SIGTERM: what was saved, how long it took, and how to continue (rank 0)."""
     import time
 
-    from lightning_parallel.resume import checkpoint_step
+    from lightning_parallel.run_resume import checkpoint_step
 
     shutdown = signals.current()
     if shutdown is None or os.environ.get("RANK", "0") != "0":
@@ -342,7 +342,7 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
 
 def _expand_resume(overrides: list[str]) -> None:
     """``resume=<folder>``: run with the folder's original overrides (those given now win)."""
-    from lightning_parallel.resume import resume_overrides
+    from lightning_parallel.run_resume import resume_overrides
 
     given = [o for o in overrides if o.lstrip("+").startswith("resume=")]
     if not given:

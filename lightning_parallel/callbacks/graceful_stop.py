@@ -8,7 +8,7 @@ leave ``fit`` normally, without the validation Lightning runs when training is s
 Note:
     The name is not ``last.ckpt``: a ``ModelCheckpoint(save_last=True)`` that finds a ``last.ckpt``
     it did not write saves its own next one as ``last-v1.ckpt``. ``resume=`` and ``ckpt_path=last``
-    take the newest ``last*.ckpt`` (:func:`lightning_parallel.resume.last_checkpoint`).
+    take the newest ``last*.ckpt`` (:func:`lightning_parallel.run_resume.last_checkpoint`).
 """
 
 from __future__ import annotations

@@ -148,3 +148,47 @@ def sum_tied_gradients(
             total = total + part
         grad.copy_(total if old is None else old + total)
         setattr(param, TIED_COPY_ATTR, not entry.is_first)
+
+
+def _group_settings(param: Tensor, optimizers: Sequence[torch.optim.Optimizer]) -> str:
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if any(p is param for p in group["params"]):
+                settings = sorted((k, v) for k, v in group.items() if k != "params")
+                return f"{type(optimizer).__name__} {settings}"
+    return "not in any optimizer"
+
+
+def check_tied_optimizer_groups(
+    module: nn.Module, tied: Sequence[TiedCopies], optimizers: Sequence[torch.optim.Optimizer]
+) -> None:
+    """Refuse tied copies whose optimizer settings differ between their holders (a collective: every rank calls it).
+
+    In one process the pair is one parameter in one param group. After the split each copy
+    sits in whatever group the holder's ``configure_optimizers`` put its own name in -- for
+    example weight decay exempting ``embed_tokens`` but not ``lm_head`` -- and identical
+    gradients would then give different updates: the copies would drift apart silently.
+
+    Args:
+        module: the (split) module holding this rank's copies.
+        tied: this rank's tied copies (the same shared parameters on every holder, in order).
+        optimizers: this rank's optimizers, already built.
+
+    Raises:
+        ValueError: two holders of one tied parameter optimise it with different settings.
+    """
+    mine = {(entry.ranks, index): (entry.name, _group_settings(module.get_parameter(entry.name), optimizers))
+            for index, entry in enumerate(tied)}
+    gathered: list[Optional[dict]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    seen: dict[tuple, tuple[str, str]] = {}
+    for entries in gathered:
+        for key, (name, settings) in (entries or {}).items():
+            first = seen.setdefault(key, (name, settings))
+            if first[1] != settings:
+                raise ValueError(
+                    f"The tied parameters {first[0]!r} and {name!r} (one parameter in one process, a copy on each "
+                    f"pipeline rank holding them) are optimised with different settings: {first[1]} vs {settings}. "
+                    "They would drift apart. Put both names in the same param group in configure_optimizers "
+                    f"(for example exempt {name!r} from weight decay exactly when {first[0]!r} is)."
+                )

@@ -30,7 +30,7 @@ from lightning_parallel.checkpoints.hf_metadata import add_hugging_face_entry
 from lightning_parallel.checkpoints.resume import resume_from
 from lightning_parallel.checkpoints.to_lightning import parameter_order_entry
 from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL, ParallelLayout, Size
-from lightning_parallel.parallel import gradients
+from lightning_parallel.parallel import gradients, pipeline_tied
 from lightning_parallel.parallel.compose import Parallelized, check_module, parallelize
 from lightning_parallel.parallel.options import ZERO_DESCRIPTIONS, ParallelOptions
 from lightning_parallel.parallel.partition import measure_layer_times
@@ -209,6 +209,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            split = self.parallelized.split
+            if split is not None and split.shared:  # the same on every rank: a safe collective
+                pipeline_tied.check_tied_optimizer_groups(
+                    self.lightning_module, self.parallelized.tied, [_unwrap(o) for o in self.optimizers]
+                )
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
