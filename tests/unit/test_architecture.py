@@ -30,6 +30,8 @@ FORBIDDEN = {
                            "lightning_parallel.checkpoints", "lightning_parallel.callbacks"),
     PACKAGE / "checkpoints": ("lightning.pytorch.trainer", "lightning.pytorch.Trainer", "lightning_parallel.strategies",
                               "lightning_parallel.train"),
+    PACKAGE / "adapters": ("lightning", "lightning_parallel.strategies", "lightning_parallel.train",
+                           "lightning_parallel.checkpoints", "lightning_parallel.callbacks"),
     ROOT / "examples": ("lightning_parallel.strategies", "lightning_parallel.parallel"),
 }
 
