@@ -138,6 +138,10 @@ class HFCausalLM(pl.LightningModule):
         return self(batch["input_ids"], batch.get("attention_mask"))
 
     def configure_optimizers(self) -> Any:
-        # Matrices decay; biases, norms and the token embedding (also the head when tied) do not.
-        groups = weight_decay_groups(self, self.hparams.weight_decay, exempt=lambda name: "embed" in name)
+        # Matrices decay; biases, norms and the token embedding do not. A tied head is the embedding under
+        # another name (a pipeline stage holding only the head sees that name): it must not decay either.
+        tied = self.model.config.tie_word_embeddings
+        groups = weight_decay_groups(
+            self, self.hparams.weight_decay, exempt=lambda name: "embed" in name or (tied and "lm_head" in name)
+        )
         return with_warmup_cosine(self.optimizer_factory(groups), self.hparams.warmup_steps, self.hparams.max_steps)

@@ -142,7 +142,9 @@ def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     local = {}
-    for name, param in module.named_parameters():
+    # remove_duplicate=False: one process lists a tied pair once (under its first name) while
+    # pipeline stages each hold one of the two names; listing both on every side compares both.
+    for name, param in module.named_parameters(remove_duplicate=False):
         value = param.detach()
         value = value.full_tensor() if isinstance(value, DTensor) else value
         local[name] = value.to("cpu", torch.float64).clone()

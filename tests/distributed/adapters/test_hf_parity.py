@@ -14,7 +14,6 @@ that silently kept the whole model on every rank would match trivially, each run
 that its rank stores only a part of the model (and that a tied pair is still one parameter).
 """
 
-import math
 from functools import partial
 
 import pytest
@@ -112,14 +111,16 @@ def _assert_valid_counts_differ(microbatches: int = 4) -> None:
 
 def _check(results, layouts) -> None:
     for family, result in results.items():
-        for diff, run in zip(result.diffs, result.runs[1:]):
-            if all(math.isnan(norm) for norm in run.grad_norms):
-                # DeepSpeed keeps gradients out of param.grad: losses and final parameters carry the verdict.
-                diff.grad_norm = diff.grad_norm_relative = 0.0
+        # DeepSpeed records no gradient norm (NaN): the harness judges it on losses and final parameters.
         check_comparison(result, family)
         assert [d.name for d in result.diffs] == [layout.label for layout in layouts[1:]]
 
 
+# The same cells, one family at a time and with their own negative controls, run by default in
+# test_hf_tensor.py (tp2), test_hf_pipeline.py (pp2 1F1B and interleaved) and
+# test_hf_padded_loss.py (DeepSpeed ZeRO-3): this end-to-end matrix repeats them through
+# compare_layouts and is kept for `pytest -m extended` to hold the default run's time.
+@pytest.mark.extended
 def test_two_process_layouts_match_one_process():
     _assert_no_glue()
     _assert_valid_counts_differ()
