@@ -60,7 +60,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     Under pipeline parallelism the strategy runs the schedule itself: the module's
     ``training_step``/``validation_step`` are not called; ``train_loss``/``val_loss`` are
-    logged from ``pipeline_loss`` (the global-batch mean, the same on every rank), and
+    logged from ``pipeline_loss_terms`` or ``pipeline_loss`` (the global-batch mean, the same on every rank), and
     ``predict_step`` returns the model outputs on every rank.
 
     Args:

@@ -123,7 +123,7 @@ def _alive(pid):
 def test_sigint_stops_every_rank_of_a_pipeline_run_within_seconds_with_a_checkpoint(tmp_path):
     run = tmp_path / "run"
     command = [sys.executable, "-m", "lightning_parallel.train", *TINY, "strategy=pipeline", "trainer.devices=2",
-               "trainer.max_steps=100000", "logger=none", "callbacks.evaluation=null",
+               "trainer.max_steps=100000", "model.max_steps=100000", "logger=none", "callbacks.evaluation=null",
                f"hydra.run.dir={run}"]
     log = open(tmp_path / "out.txt", "w+")
     launcher = subprocess.Popen(command, cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT)
@@ -155,6 +155,19 @@ def test_sigint_stops_every_rank_of_a_pipeline_run_within_seconds_with_a_checkpo
     assert not [n for n in names if n.startswith("last-v")], names
     assert max((run / "checkpoints").iterdir(), key=lambda p: p.stat().st_mtime).name == "last-stop.ckpt"
     assert Path(saved[3]) == run
+
+    # Resumed from the stop, the run ends where an uninterrupted one does (the schedule's length pinned
+    # by model.max_steps, so the shorter trainer.max_steps changes nothing but where training ends).
+    end = int(saved[2]) + 2
+    with ThreadPoolExecutor(2) as pool:
+        resumed = pool.submit(_lp_train, [f"resume={run}", f"trainer.max_steps={end}"], tmp_path)
+        uninterrupted = pool.submit(_lp_train, [*(a for a in command[3:-1] if not a.startswith("trainer.max_steps=")),
+                                                   f"trainer.max_steps={end}", "hydra.run.dir=reference"], tmp_path)
+        assert f"resumed from step {saved[2]} of " in _ok(resumed.result())
+        _ok(uninterrupted.result())
+    final = [json.loads((folder / "metrics.json").read_text())["metrics"]["train_loss"] for folder in (run, tmp_path / "reference")]
+    print(f"train_loss at step {end}: resumed after SIGINT {final[0]:.7f}, uninterrupted {final[1]:.7f}")
+    assert abs(final[0] - final[1]) < 1e-5, final
 
 
 def test_a_sweep_with_a_failing_job_writes_its_row_prints_the_table_and_exits_with_the_count(tmp_path):

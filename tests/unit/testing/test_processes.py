@@ -44,5 +44,6 @@ def test_failing_rank_is_named_with_its_traceback():
 def test_hanging_rank_times_out_and_is_killed():
     start = time.monotonic()
     with pytest.raises(DistributedRunError, match=r"Timed out .* ranks \[0\]"):
-        run_processes(_hang_on_rank_zero, 2, timeout=15)
-    assert time.monotonic() - start < 60
+        # 45 s: rank 1 must start torch and finish inside it even on a loaded 2-core machine (15 s was not).
+        run_processes(_hang_on_rank_zero, 2, timeout=45)
+    assert time.monotonic() - start < 120
