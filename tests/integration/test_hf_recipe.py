@@ -54,9 +54,11 @@ def test_hybrid_experiment_on_eight_devices_adds_data_parallelism():
 @pytest.mark.slow
 def test_lp_train_hf_tensor_on_two_processes_learns(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-    args = ["experiment=hf_tensor", "trainer.devices=2", *TINY_RUN, f"hydra.run.dir={tmp_path}/run"]
+    # No warm-up: the experiment's 30 warm-up steps would leave 4 steps at a near-zero learning rate.
+    args = ["experiment=hf_tensor", "trainer.devices=2", *TINY_RUN, "model.warmup_steps=0", f"hydra.run.dir={tmp_path}/run"]
     result = subprocess.run([sys.executable, "-m", "lightning_parallel.train", *args], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert metrics["metrics"]["val_loss"] < 4.85  # random init: ln(128) = 4.85
+    print(f"hf_tensor val_loss after 4 steps: {metrics['metrics']['val_loss']:.4f} (uniform: ln 128 = 4.852)")
+    assert metrics["metrics"]["val_loss"] < 4.7  # random init predicts about uniformly: ln(128) = 4.85
