@@ -6,9 +6,10 @@ from examples.nlp.model import GPT
 class SummedMicrobatchGPT(GPT):
     """A GPT whose pipeline loss sums the micro-batch losses instead of averaging them.
 
-    The pipeline averages ``pipeline_loss`` over its micro-batches; this one returns each micro-batch's
-    loss times the number of micro-batches, so a pipelined step trains on the *sum* (loss and gradients
-    ``microbatches`` times too large). Unpipelined layouts call ``training_step``, which is correct.
+    The pipeline divides each micro-batch's ``pipeline_loss_terms`` sum by the global batch's item
+    count; this one returns each micro-batch's sum times the number of micro-batches, so a pipelined
+    step trains on the *sum* of micro-batch means (loss and gradients ``microbatches`` times too large).
+    Unpipelined layouts call ``training_step``, which is correct.
     """
 
     def __init__(self, microbatches: int = 4, **kwargs):
@@ -18,9 +19,14 @@ class SummedMicrobatchGPT(GPT):
     def pipeline_loss(self, output, target):
         return super().pipeline_loss(output, target) * self.microbatches
 
+    def pipeline_loss_terms(self, output, target):
+        loss_sum, num_items = super().pipeline_loss_terms(output, target)
+        return loss_sum * self.microbatches, num_items
+
     def training_step(self, batch, batch_idx):
         inputs, targets = batch
-        loss = GPT.pipeline_loss(self, self(inputs), targets)
+        loss_sum, num_items = GPT.pipeline_loss_terms(self, self(inputs), targets)  # the recipe's own, unscaled
+        loss = loss_sum / num_items
         self.log("train_loss", loss)
         return loss
 
