@@ -16,8 +16,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, open_dict
 
 from lightning_parallel.preflight import ConfigError
-from lightning_parallel.run_resume import last_checkpoint, no_checkpoint_message
 from lightning_parallel.run_folder import claim, external_launch_error, run_id
+from lightning_parallel.run_resume import last_checkpoint, no_checkpoint_message
 
 
 def job_label() -> dict[str, Any]:

@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 from lightning_parallel import run_folder
 from lightning_parallel.preflight import ConfigError, check_trainer_overrides, unknown_trainer_key
-from lightning_parallel.run_resume import checkpoint_step, last_checkpoint, no_checkpoint_message, resume_overrides
 from lightning_parallel.run_folder import claim, read_owner, verify_rank_config, write_rank_config
+from lightning_parallel.run_resume import checkpoint_step, last_checkpoint, no_checkpoint_message, resume_overrides
 from lightning_parallel.run_start import validation_schedule
 from lightning_parallel.sweep_summary import job_row, record_failure
 
