@@ -7,13 +7,11 @@ import is the slow part); two also run through the installed ``lp-train`` comman
 """
 
 import json
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
+
+from tests.integration.entry_point import run_cases_in_one_process, run_lp_train
 
 pytestmark = pytest.mark.slow
 
@@ -34,21 +32,6 @@ CASES = [
     ("another_runs_folder", "hydra.run.dir={tmp}/old_run", ["{tmp}/old_run already holds run abc123"], "continue that run with resume={tmp}/old_run"),
 ]
 CLI_CASES = ("max_step_typo", "gpu_without_cuda")
-MARK = "=== case "
-
-HELPER = f"""
-import json, sys
-from lightning_parallel import train
-for name, args in json.loads(sys.argv[1]):
-    print({MARK!r} + name, flush=True)
-    sys.argv = ["lp-train", *args]
-    try:
-        train.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    print({MARK!r} + name + " exit " + str(code), flush=True)
-"""
 
 
 def _old_run(tmp_path):
@@ -63,29 +46,12 @@ def _args(overrides, tmp_path):
     return [*TINY, *overrides.format(tmp=tmp_path).split()]
 
 
-def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
-
-
 def _in_process(tmp_path):
-    cases = [[name, _args(over, tmp_path)] for name, over, _, _ in CASES]
-    result = subprocess.run([sys.executable, "-c", HELPER, json.dumps(cases)], cwd=tmp_path, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    outputs = {}
-    for name, _, _, _ in CASES:
-        head, tail = f"{MARK}{name}\n", f"{MARK}{name} exit "
-        assert tail in result.stdout, result.stdout[-3000:]
-        start, end = result.stdout.index(head) + len(head), result.stdout.index(tail)
-        code = result.stdout[end + len(tail):].split("\n", 1)[0]
-        outputs[name] = (int(code) if code.lstrip("-").isdigit() else code, result.stdout[start:end])
-    return outputs
+    return run_cases_in_one_process([(name, _args(over, tmp_path)) for name, over, _, _ in CASES], tmp_path)
 
 
 def _lp_train(overrides, tmp_path):
-    command = [str(Path(sys.executable).parent / "lp-train"), *_args(overrides, tmp_path)]
-    result = subprocess.run(command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, timeout=300)
-    return result.returncode, result.stdout
+    return run_lp_train(_args(overrides, tmp_path), tmp_path)
 
 
 def _assert_one_short_error(name, code, output, fragments, remedy):

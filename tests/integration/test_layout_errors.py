@@ -6,14 +6,11 @@ run through the installed ``lp-train`` command. No case may start a process or a
 that was wrongly accepted would train (``trainer.max_steps=1``) and fail the assertions.
 """
 
-import json
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
+
+from tests.integration.entry_point import run_cases_in_one_process, run_lp_train
 
 pytestmark = pytest.mark.slow
 
@@ -55,26 +52,6 @@ CASES = [
      ["trainer.num_nodes=2"], "run under torchrun"),
 ]
 ISSUE_CASES = ("hybrid_pp3_on_4", "tensor_tp3_on_2", "pipeline_pp8_on_2")
-MARK = "=== case "
-
-# Runs every case through the entry point's main() in one process (the import is the slow part).
-HELPER = f"""
-import json, sys
-from lightning_parallel import train
-for name, args in json.loads(sys.argv[1]):
-    print({MARK!r} + name, flush=True)
-    sys.argv = ["lp-train", *args]
-    try:
-        train.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    print({MARK!r} + name + " exit " + str(code), flush=True)
-"""
-
-
-def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
 
 
 def _args(overrides, run_dir):
@@ -82,24 +59,11 @@ def _args(overrides, run_dir):
 
 
 def _in_process(tmp_path):
-    cases = [(name, _args(over, tmp_path / name)) for name, over, _, _ in CASES]
-    result = subprocess.run([sys.executable, "-c", HELPER, json.dumps([[n, [str(a) for a in args]] for n, args in cases])],
-                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            timeout=300)
-    outputs = {}
-    for name, _, _, _ in CASES:
-        head, tail = f"{MARK}{name}\n", f"{MARK}{name} exit "
-        start, end = result.stdout.index(head) + len(head), result.stdout.index(tail)
-        code = result.stdout[end + len(tail):].split("\n", 1)[0]
-        outputs[name] = (int(code) if code.lstrip("-").isdigit() else code, result.stdout[start:end])
-    return outputs
+    return run_cases_in_one_process([(name, _args(over, tmp_path / name)) for name, over, _, _ in CASES], tmp_path)
 
 
 def _lp_train(name, overrides, tmp_path):
-    command = [str(Path(sys.executable).parent / "lp-train"), *_args(overrides, tmp_path / f"cli_{name}")]
-    result = subprocess.run(command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, timeout=300)
-    return result.returncode, result.stdout
+    return run_lp_train(_args(overrides, tmp_path / f"cli_{name}"), tmp_path)
 
 
 def _assert_one_clean_error(name, code, output, settings, remedy):
