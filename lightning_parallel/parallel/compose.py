@@ -105,6 +105,11 @@ def check_module(module: nn.Module, layout: ParallelLayout, options: ParallelOpt
     """
     if layout.pipeline_parallel_enabled:
         check_pipeline(module, layout, options)
+    return check_tensor(module, layout, options)
+
+
+def check_tensor(module: nn.Module, layout: ParallelLayout, options: ParallelOptions) -> dict[str, ParallelStyle]:
+    """The tensor half of :func:`check_module`; returns the resolved plan (empty without tensor parallelism)."""
     if not layout.tensor_parallel_enabled:
         return {}
     plan = resolve_plan(
@@ -264,10 +269,10 @@ def parallelize(
             f"{type(module).__name__} was already split or sharded by an earlier run and cannot be parallelised again: "
             "build a fresh module and load the checkpoint into it (ckpt_path=...)."
         )
-    plan = check_module(module, layout, options)
-    split, stages, stage_ids, last, pipe, tied = None, [], [], None, None, []
-    if layout.pipeline_parallel_enabled:
-        pipe = pipeline_plan(module)
+    pipe = check_pipeline(module, layout, options) if layout.pipeline_parallel_enabled else None
+    plan = check_tensor(module, layout, options)
+    split, stages, stage_ids, last, tied = None, [], [], None, []
+    if pipe is not None:
         split, stages, stage_ids = split_pipeline(module, layout, options, rank, layer_times, pipe)
         last, tied = last_stage_rank(layout, options, rank), _tie_copies(module, split, stages, layout, options, rank)
         on_split(split) if on_split is not None else None
