@@ -33,6 +33,12 @@ from lightning_parallel.parallel.tensor_styles import is_norm
 HF_STYLES: dict[str, Optional[str]] = {
     "colwise": "colwise",  # weight Shard(0), replicated input, local output sharded on the last dim
     "rowwise": "rowwise",  # weight Shard(1), input sharded on the last dim, output all-reduced
+    # transformers >= 5.25 plans q/k/v and o_proj "by unit" (whole heads per rank), replicating heads
+    # when the tensor size exceeds or does not divide the head count. Where it divides, that is colwise
+    # and rowwise exactly; hf_head_dimensions refuses the other sizes before anything runs, so the
+    # replicated-head layout (a 2-D sub-mesh no public torch style gives) is never approximated.
+    "unit_colwise": "colwise",
+    "unit_rowwise": "rowwise",
     "colwise_rep": "colwise_gather",  # colwise, output all-gathered
     "colwise_gather_output": "colwise_gather",
     "rowwise_rep": "rowwise_replicated_input",  # rowwise on a whole input: each rank slices its rows
