@@ -17,7 +17,7 @@ Touch points, by package:
   :func:`auto_select_batch_size`, :func:`init_deepspeed_distributed`,
   :func:`remove_module_hooks`, :func:`fit_loop_train_dataloader`, and the loop
   state-dict layout of :func:`epoch_end_loop_progress` / :func:`drop_loader_position`.
-* torch: :func:`dcp_set_element`, :func:`dcp_metadata_path`, :func:`load_planner_target`.
+* torch: :func:`unflatten_mesh_dim`, :func:`dcp_set_element`, :func:`dcp_metadata_path`, :func:`load_planner_target`.
 * DeepSpeed: :func:`zero_merge_trainable_params`, :func:`zero3_param_coordinator`.
 * transformers: :func:`hf_class_plans`.
 """
@@ -156,6 +156,17 @@ def drop_loader_position(fit_state: dict[str, Any]) -> None:
 
 
 # --- torch -------------------------------------------------------------------------------
+
+
+def unflatten_mesh_dim(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """A view of ``mesh`` with dimension ``dim`` split into ``sizes`` named ``names`` (same ranks, same root).
+
+    Why private: FSDP2's HSDP needs a 2-D ``(replicate, shard)`` data mesh on the same root as
+    the tensor-parallel DTensors, while the run keeps the 1-D ``data_parallel`` axis for its
+    groups; torch 2.13 offers this only as ``DeviceMesh._unflatten`` (torchtitan's route), and
+    the public alternative (a 4-D root plus ``_flatten``) warns on every flattened slice.
+    """
+    return mesh._unflatten(dim, sizes, names)
 
 
 def dcp_set_element(root: dict[str, Any], path: Any, value: Any) -> None:

@@ -13,6 +13,13 @@ Note:
     the data-parallel group, which talks once per step, spans the widest distance. The
     axis names ``data_parallel``/``tensor_parallel`` are Lightning ModelParallelStrategy's,
     so its ``distributed_sampler_kwargs`` and ``configure_model`` idioms work unchanged.
+
+    The data axis may itself be split ``data_replicate x data_shard`` (HSDP, torchtitan's
+    ``dp_replicate x dp_shard``): data index ``replica * data_shard + shard``, so the shard
+    group -- which all-gathers every layer -- is a run of neighbouring data ranks and the
+    replica group, which all-reduces once per step, spans the distance. The mesh keeps the
+    3-D ``data_parallel`` axis (one group for samplers, loss means, token counts); the 2-D
+    ``(data_replicate, data_shard)`` view FSDP2 needs is the same ranks, unflattened.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ DATA_PARALLEL = "data_parallel"
 PIPELINE_PARALLEL = "pipeline_parallel"
 TENSOR_PARALLEL = "tensor_parallel"
 MESH_AXES: tuple[str, str, str] = (DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL)
+DATA_REPLICATE = "data_replicate"
+DATA_SHARD = "data_shard"
+DATA_AXES: tuple[str, str] = (DATA_REPLICATE, DATA_SHARD)
 
 Size = Union[int, Literal["auto"]]
 
@@ -139,12 +149,16 @@ class ParallelLayout:
         data_parallel: replicas of the model; only this axis multiplies the global batch.
         pipeline_parallel: pipeline stages (groups of consecutive layers).
         tensor_parallel: ranks that split each layer's weights.
+        data_replicate: groups the data axis splits into for HSDP (ZeRO 2/3 shard within a
+            group of ``data_shard = data_parallel / data_replicate`` ranks and all-reduce across
+            groups); 1 (default): one group, ZeRO 2/3 shard over the whole data axis.
     """
 
     world_size: int
     data_parallel: int
     pipeline_parallel: int
     tensor_parallel: int
+    data_replicate: int = 1
 
     def __post_init__(self) -> None:
         for name in ("world_size", "data_parallel", "pipeline_parallel", "tensor_parallel"):
@@ -156,6 +170,12 @@ class ParallelLayout:
                  TENSOR_PARALLEL: self.tensor_parallel}
         if math.prod(sizes.values()) != self.world_size:
             raise ValueError(_World(self.world_size, 1, DEFAULT_NAMES).mismatch(sizes))
+        check_size("data_replicate", self.data_replicate)
+        if self.data_parallel % self.data_replicate:
+            raise ValueError(
+                f"data_replicate={self.data_replicate} does not divide data_parallel={self.data_parallel}: the data "
+                f"axis splits into replica groups of equal size. Fix: a divisor of {self.data_parallel}."
+            )
 
     @classmethod
     def resolve(
@@ -166,6 +186,8 @@ class ParallelLayout:
         tensor_parallel: Size = 1,
         names: Optional[Mapping[str, str]] = None,
         num_nodes: int = 1,
+        data_replicate: Optional[int] = None,
+        data_shard: Optional[int] = None,
     ) -> ParallelLayout:
         """Fill in at most one ``"auto"`` size from the world size and validate.
 
@@ -177,10 +199,13 @@ class ParallelLayout:
             names: how the caller spells each setting in messages (keys of :data:`DEFAULT_NAMES`,
                 e.g. ``{"pipeline_parallel": "strategy.pipeline_parallel_size", "devices": "trainer.devices"}``).
             num_nodes: nodes in the world (only for the messages' device counts).
+            data_replicate, data_shard: the HSDP split of the data axis (either, or both with
+                product ``data_parallel``); None for both: one shard group (``data_replicate=1``).
 
         Raises:
-            ValueError: non-positive sizes, more than one ``"auto"``, or sizes that do not multiply
-                (or divide) to the world size. The message names the settings, the world and the fix.
+            ValueError: non-positive sizes, more than one ``"auto"``, sizes that do not multiply
+                (or divide) to the world size, or an HSDP split that does not divide the data axis.
+                The message names the settings, the world and the fix.
         """
         check_size("world_size", world_size)
         if world_size == "auto":
@@ -197,7 +222,8 @@ class ParallelLayout:
             raise ValueError(world.mismatch(sizes))
         if auto:
             sizes[auto[0]] = world_size // fixed
-        return cls(world_size, sizes[DATA_PARALLEL], sizes[PIPELINE_PARALLEL], sizes[TENSOR_PARALLEL])
+        replicas = _replica_groups(sizes[DATA_PARALLEL], data_replicate, data_shard, world.names)
+        return cls(world_size, sizes[DATA_PARALLEL], sizes[PIPELINE_PARALLEL], sizes[TENSOR_PARALLEL], replicas)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -205,8 +231,18 @@ class ParallelLayout:
         return (self.data_parallel, self.pipeline_parallel, self.tensor_parallel)
 
     @property
+    def data_shard(self) -> int:
+        """Ranks of one HSDP shard group (the whole data axis unless ``data_replicate > 1``)."""
+        return self.data_parallel // self.data_replicate
+
+    @property
     def data_parallel_enabled(self) -> bool:
         return self.data_parallel > 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        """Whether the data axis is split into several replica groups of several shards each."""
+        return 1 < self.data_replicate < self.data_parallel
 
     @property
     def pipeline_parallel_enabled(self) -> bool:
@@ -225,6 +261,11 @@ class ParallelLayout:
         data = rank // (self.tensor_parallel * self.pipeline_parallel)
         return RankCoordinates(data, pipeline, tensor)
 
+    def data_coordinates(self, rank: int) -> tuple[int, int]:
+        """The (replica group, shard) position of global ``rank`` on the split data axis."""
+        data = self.coordinates(rank).data
+        return divmod(data, self.data_shard)
+
     def rank_at(self, data: int, pipeline: int, tensor: int) -> int:
         """The global rank at mesh position (data, pipeline, tensor)."""
         return (data * self.pipeline_parallel + pipeline) * self.tensor_parallel + tensor
@@ -238,7 +279,12 @@ class ParallelLayout:
             return [self.rank_at(coords.data, p, coords.tensor) for p in range(self.pipeline_parallel)]
         if axis == TENSOR_PARALLEL:
             return [self.rank_at(coords.data, coords.pipeline, t) for t in range(self.tensor_parallel)]
-        raise ValueError(f"Unknown mesh axis {axis!r}: use one of {MESH_AXES}.")
+        if axis in DATA_AXES:
+            replica, shard = self.data_coordinates(rank)
+            data = ([r * self.data_shard + shard for r in range(self.data_replicate)] if axis == DATA_REPLICATE
+                    else [replica * self.data_shard + s for s in range(self.data_shard)])
+            return [self.rank_at(d, coords.pipeline, coords.tensor) for d in data]
+        raise ValueError(f"Unknown mesh axis {axis!r}: use one of {MESH_AXES + DATA_AXES}.")
 
     def rank_map(self) -> list[tuple[int, RankCoordinates]]:
         """Every global rank with its coordinates, for the start-up table."""
@@ -255,5 +301,27 @@ class ParallelLayout:
         return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
 
     def describe(self) -> str:
-        """Short form such as ``dp2 x pp2 x tp1``."""
-        return f"dp{self.data_parallel} x pp{self.pipeline_parallel} x tp{self.tensor_parallel}"
+        """Short form such as ``dp2 x pp2 x tp1``, or ``dp4(2x2) x pp1 x tp1`` under HSDP."""
+        data = f"dp{self.data_parallel}" + (f"({self.data_replicate}x{self.data_shard})" if self.hsdp_enabled else "")
+        return f"{data} x pp{self.pipeline_parallel} x tp{self.tensor_parallel}"
+
+
+def _replica_groups(data_parallel: int, replicate: Optional[int], shard: Optional[int], names: Mapping[str, str]) -> int:
+    """``data_replicate`` from the requested HSDP split of a resolved data axis (1 when none is asked)."""
+    rep_name, shard_name = names.get(DATA_REPLICATE, DATA_REPLICATE), names.get(DATA_SHARD, DATA_SHARD)
+    for name, value in ((rep_name, replicate), (shard_name, shard)):
+        if value is not None:
+            check_size(name, value)
+            if value == "auto" or data_parallel % value:
+                raise ValueError(
+                    f"{name}={value!r} does not divide the data axis {names[DATA_PARALLEL]}={data_parallel}. Fix: "
+                    f"{rep_name} x {shard_name} = {data_parallel} (a divisor of {data_parallel} for either)."
+                )
+    if replicate is not None and shard is not None and replicate * shard != data_parallel:
+        raise ValueError(
+            f"{rep_name}={replicate} x {shard_name}={shard} = {replicate * shard}, but the data axis is "
+            f"{names[DATA_PARALLEL]}={data_parallel}. Fix: sizes whose product is {data_parallel}, or give only one."
+        )
+    if replicate is not None:
+        return replicate
+    return data_parallel // shard if shard is not None else 1

@@ -98,10 +98,13 @@ def rank_map_rows(layout: ParallelLayout, limit: int = 16) -> dict[str, str]:
         layout: the resolved layout.
         limit: groups shown per axis before eliding.
     """
-    from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL
+    from lightning_parallel.layout import DATA_PARALLEL, DATA_REPLICATE, DATA_SHARD, PIPELINE_PARALLEL, TENSOR_PARALLEL
 
     rows = {}
-    for label, axis in (("tensor groups", TENSOR_PARALLEL), ("pipeline groups", PIPELINE_PARALLEL), ("data groups", DATA_PARALLEL)):
+    axes = [("tensor groups", TENSOR_PARALLEL), ("pipeline groups", PIPELINE_PARALLEL), ("data groups", DATA_PARALLEL)]
+    if layout.hsdp_enabled:  # the data groups split: shard within a group, all-reduce across groups
+        axes += [("data shard groups", DATA_SHARD), ("data replica groups", DATA_REPLICATE)]
+    for label, axis in axes:
         groups = sorted({tuple(layout.group_ranks(axis, rank)) for rank in range(layout.world_size)})
         if len(groups[0]) == 1:
             continue

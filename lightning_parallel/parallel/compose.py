@@ -8,14 +8,20 @@ tensor layout, in torchtitan's order:
    only what this rank holds and parameter names never change;
 2. **tensor parallelism** -- ``parallelize_module`` on the submodules this rank holds; it
    must precede FSDP2, which shards the DTensor parameters TP created along one more axis;
-3. *(reserved)* **activation checkpointing** -- wraps the (tensor-sharded) layers, before
-   FSDP2 so that recomputation sees the sharded layer and FSDP2's unit boundaries stay
-   the layers;
-4. *(reserved)* **mixed-precision policy** -- FSDP2's ``MixedPrecisionPolicy`` is an
-   argument of step 5; a policy object will be threaded through here;
-5. **data axis** -- FSDP2 ``fully_shard`` per layer and per root for ``zero_stage`` 2/3.
-   Replicated data parallelism (``zero_stage=0``) changes no module: its gradient
-   all-reduce runs once per optimizer step, outside the module.
+3. **activation checkpointing** (``activation_checkpointing``, :mod:`.activation_checkpoint`)
+   -- makes this rank's layers (or the submodules a glob list names) recompute their
+   forward in backward: after TP, so recomputation runs the sharded layer and its
+   collectives; before FSDP2, so FSDP2's units stay the layers and gather their
+   parameters around the recomputation as around the forward;
+4. **mixed-precision policy** (:mod:`.precision`) -- FSDP2's ``MixedPrecisionPolicy``
+   from the Trainer's precision and ``param_dtype``/``reduce_dtype``, handed to step 5:
+   bf16 all-gathered parameters under ``bf16-mixed`` and fp32 gradient reduce-scatter, but
+   fp32 parameters with tensor parallelism, whose tensor-axis gradient all-reduce FSDP2
+   would otherwise run in bf16 (pytorch#190626);
+5. **data axis** -- FSDP2 ``fully_shard`` per layer and per root (:mod:`.data`): sharded
+   for ``zero_stage`` 2/3 (HSDP on a ``(data_replicate, data_shard)`` mesh), replicated for
+   ``zero_stage=0`` with data parallelism (shard groups of one rank), so gradients are
+   reduced during backward, layer by layer; last, as it wraps what steps 2-4 made.
 
 Nothing here imports Lightning: the strategy calls :func:`check_module` before any process
 group exists and :func:`parallelize` once the mesh is built; both are testable without a
@@ -32,13 +38,14 @@ from torch import Tensor, nn
 
 from lightning_parallel.adapters.hf import find_hf_model
 from lightning_parallel.adapters.pipeline_plan import PipelinePlan, pipeline_plan
-from lightning_parallel.layout import DATA_PARALLEL, TENSOR_PARALLEL, ParallelLayout
-from lightning_parallel.parallel import pipeline_tied
+from lightning_parallel.layout import TENSOR_PARALLEL, ParallelLayout
+from lightning_parallel.parallel import activation_checkpoint, pipeline_tied
 from lightning_parallel.parallel.chain_check import check_chain, on_meta
-from lightning_parallel.parallel.data import shard_data_axis
+from lightning_parallel.parallel.data import data_axis_mesh, shard_data_axis, uses_data_axis
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.partition import partition_layers, stage_of_layer
 from lightning_parallel.parallel.pipeline_schedules import SCHEDULES, stage_ids_for_rank, validate_schedule
+from lightning_parallel.parallel.precision import fsdp_policy
 from lightning_parallel.parallel.stages import PipelineSplit, RemovedLayer, layer_names, shared_parameters, split_module
 from lightning_parallel.parallel.tensor import apply_tensor_parallel, resolve_plan, validate_tensor_parallel
 
@@ -105,7 +112,43 @@ def check_module(module: nn.Module, layout: ParallelLayout, options: ParallelOpt
     """
     if layout.pipeline_parallel_enabled:
         check_pipeline(module, layout, options)
+    check_activation_checkpointing(module, options.activation_checkpointing)
     return check_tensor(module, layout, options)
+
+
+def check_activation_checkpointing(module: nn.Module, choice: activation_checkpoint.Choice) -> None:
+    """Refuse an ``activation_checkpointing`` choice (validated by ``check_choice``) that would checkpoint nothing:
+    a glob naming no submodule, or ``full``/``selective`` on a module without layers."""
+    if isinstance(choice, tuple):
+        activation_checkpoint.matching_modules(module, choice)
+    elif choice != "none" and not _checkpoint_layers(module, None):
+        raise ValueError(
+            f"activation_checkpointing={choice!r} checkpoints the model's layers, but {type(module).__name__} has "
+            "neither pipeline_layers() nor a Hugging Face decoder's layers: define pipeline_layers(), or name the "
+            "submodules to checkpoint with a list of globs (activation_checkpointing=['blocks.*'])."
+        )
+
+
+def checkpoint_activations(
+    module: nn.Module, choice: activation_checkpoint.Choice, split: Optional[PipelineSplit] = None
+) -> list[nn.Module]:
+    """Step 3 of :func:`parallelize` (and of the DeepSpeed strategy): checkpoint this rank's layers, or the
+    submodules the globs name; returns the checkpointed modules.
+
+    Args:
+        module: the whole model, split and tensor-sharded already.
+        choice: a validated ``activation_checkpointing`` option.
+        split: the pipeline split (None without pipelining).
+    """
+    chosen = activation_checkpoint.targets(module, choice, _checkpoint_layers(module, split) if choice != "none" else [])
+    return activation_checkpoint.apply_activation_checkpointing(chosen, selective=choice == "selective")
+
+
+def _checkpoint_layers(module: nn.Module, split: Optional[PipelineSplit]) -> list[nn.Module]:
+    """The layers ``full``/``selective`` checkpoint: every pipeline layer, or a Hugging Face decoder's blocks."""
+    if split is None:
+        return _data_axis_layers(module, None)
+    return [module.get_submodule(name) for name in split.names]
 
 
 def check_tensor(module: nn.Module, layout: ParallelLayout, options: ParallelOptions) -> dict[str, ParallelStyle]:
@@ -123,6 +166,7 @@ def check_pipeline(module: nn.Module, layout: ParallelLayout, options: ParallelO
     """The pipeline half of :func:`check_module`; returns the module's pipeline plan."""
     plan = pipeline_plan(module)
     validate_schedule(options.schedule, layout.pipeline_parallel, options.stages_per_rank, options.microbatches)
+    activation_checkpoint.check_schedule(options.activation_checkpointing, options.schedule)
     num_layers, num_stages = len(plan.layers), options.num_stages(layout.pipeline_parallel)
     if num_layers < num_stages:
         fits = num_layers // layout.pipeline_parallel
@@ -132,7 +176,7 @@ def check_pipeline(module: nn.Module, layout: ParallelLayout, options: ParallelO
             f"pipeline_parallel_size={layout.pipeline_parallel} x stages_per_rank={options.stages_per_rank}: "
             f"every stage needs a layer. Fix: {remedy}, or a model with more layers."
         )
-    _check_pipeline_layers(module, plan, options)
+    _check_pipeline_layers(module, plan, layout, options)
     if plan.sample is not None and not on_meta(module):
         check_chain(module, list(zip(plan.names, plan.layers)), plan.make_stage, plan.sample, plan.source)
     return plan
@@ -160,7 +204,8 @@ def last_stage_rank(layout: ParallelLayout, options: ParallelOptions, rank: int)
     return layout.rank_at(coords.data, holder, coords.tensor)
 
 
-def _check_pipeline_layers(module: nn.Module, plan: PipelinePlan, options: ParallelOptions) -> None:
+def _check_pipeline_layers(module: nn.Module, plan: PipelinePlan, layout: ParallelLayout,
+                           options: ParallelOptions) -> None:
     if options.partition == "time" and plan.source != "protocol":
         raise ValueError(
             f"partition='time' times each layer on one tensor, but {plan.source}'s decoder layers also need masks and "
@@ -168,13 +213,13 @@ def _check_pipeline_layers(module: nn.Module, plan: PipelinePlan, options: Paral
         )
     layer_names(module, plan.layers)  # every parameter in some layer, layers not nested
     shared = shared_parameters(plan.names, plan.layers)
-    if shared and options.zero_stage and SCHEDULES[options.schedule][2] == "v":
+    if shared and uses_data_axis(layout, options.zero_stage) and SCHEDULES[options.schedule][2] == "v":
         tied = ", ".join(holders[0][1] for holders in shared)
         raise ValueError(
             f"{type(module).__name__} ties parameters across pipeline layers ({tied}); schedule={options.schedule!r} "
             "puts the first and the last stage on one rank, two stage modules holding one tied parameter, which "
-            f"FSDP2 (zero_stage={options.zero_stage}) cannot shard. Fix: a loop schedule ('1f1b', "
-            "'interleaved_1f1b'), zero_stage=0, or untie them."
+            f"FSDP2 (the data axis, zero_stage={options.zero_stage}) cannot wrap twice. Fix: a loop schedule "
+            "('1f1b', 'interleaved_1f1b'), data_parallel_size=1, or untie them."
         )
 
 
@@ -237,6 +282,38 @@ def _data_axis_roots(module: nn.Module) -> list[nn.Module]:
     return [found[1], module] if found is not None and found[0] else [module]
 
 
+def _refuse_parallelized(module: nn.Module) -> None:
+    if is_parallelized(module):
+        raise ValueError(
+            f"{type(module).__name__} was already split or sharded by an earlier run and cannot be parallelised again: "
+            "build a fresh module and load the checkpoint into it (ckpt_path=...)."
+        )
+
+
+def _apply_local_plan(module: nn.Module, layout: ParallelLayout, mesh: DeviceMesh, plan: dict) -> None:
+    """Step 2 of :func:`parallelize`: the tensor plan's entries for the submodules this rank holds."""
+    if layout.tensor_parallel_enabled:
+        present = dict(module.named_modules())
+        local_plan = {n: s for n, s in plan.items() if n in present and not isinstance(present[n], RemovedLayer)}
+        apply_tensor_parallel(module, mesh[TENSOR_PARALLEL], local_plan)
+
+
+def _wrap_data_axis(module: nn.Module, layout: ParallelLayout, options: ParallelOptions, meshes: tuple,
+                    split: Optional[PipelineSplit], stages: list, precision: str) -> None:
+    """Step 5 of :func:`parallelize`: FSDP2 per layer, then per stage (or the model's roots), over the data mesh.
+
+    ``meshes`` is ``(mesh, data_mesh)`` as :func:`parallelize` got them; nothing is wrapped
+    when there is no data axis to reduce over (``zero_stage=0`` on one data rank).
+    """
+    if not uses_data_axis(layout, options.zero_stage):
+        return
+    dp_mesh = data_axis_mesh(layout, options.zero_stage, *meshes)
+    # (4) zero_stage=0 keeps its parameters in their own dtype (no FSDP2 cast); reductions are fp32.
+    policy = fsdp_policy(precision, options, layout)
+    roots = stages or _data_axis_roots(module)
+    shard_data_axis(_data_axis_layers(module, split), roots, dp_mesh, options.zero_stage, policy)
+
+
 def parallelize(
     module: nn.Module,
     layout: ParallelLayout,
@@ -245,6 +322,8 @@ def parallelize(
     rank: int,
     layer_times: Optional[Sequence[float]] = None,
     on_split: Optional[Callable[[PipelineSplit], Any]] = None,
+    precision: str = "32-true",
+    data_mesh: Optional[DeviceMesh] = None,
 ) -> Parallelized:
     """Split, shard and wrap ``module`` in place for this rank of ``layout`` (see the module docstring for the order).
 
@@ -257,6 +336,10 @@ def parallelize(
         rank: this process's global rank.
         layer_times: per-layer seconds for ``partition="time"`` (the same on every rank).
         on_split: called with the pipeline split once it is known (the strategy prints it).
+        precision: the Trainer's precision name (checked by ``precision.check_precision``);
+            decides FSDP2's mixed-precision policy.
+        data_mesh: ``mesh``'s data axis unflattened to ``(data_replicate, data_shard)``, for ``zero_stage=0``
+            with data parallelism and for HSDP (:func:`~lightning_parallel.parallel.data.data_axis_mesh`).
 
     Returns:
         A :class:`Parallelized` describing the result.
@@ -264,11 +347,7 @@ def parallelize(
     Raises:
         ValueError: ``module`` was parallelised before, or any check of :func:`check_module`.
     """
-    if is_parallelized(module):
-        raise ValueError(
-            f"{type(module).__name__} was already split or sharded by an earlier run and cannot be parallelised again: "
-            "build a fresh module and load the checkpoint into it (ckpt_path=...)."
-        )
+    _refuse_parallelized(module)
     pipe = check_pipeline(module, layout, options) if layout.pipeline_parallel_enabled else None
     plan = check_tensor(module, layout, options)
     split, stages, stage_ids, last, tied = None, [], [], None, []
@@ -276,14 +355,9 @@ def parallelize(
         split, stages, stage_ids = split_pipeline(module, layout, options, rank, layer_times, pipe)
         last, tied = last_stage_rank(layout, options, rank), _tie_copies(module, split, stages, layout, options, rank)
         on_split(split) if on_split is not None else None
-    if layout.tensor_parallel_enabled:
-        present = dict(module.named_modules())
-        local_plan = {n: s for n, s in plan.items() if n in present and not isinstance(present[n], RemovedLayer)}
-        apply_tensor_parallel(module, mesh[TENSOR_PARALLEL], local_plan)
-    # (3) activation checkpointing and (4) the mixed-precision policy slot in here.
-    if options.zero_stage:
-        roots = stages or _data_axis_roots(module)
-        shard_data_axis(_data_axis_layers(module, split), roots, mesh[DATA_PARALLEL], options.zero_stage)
+    _apply_local_plan(module, layout, mesh, plan)
+    checkpoint_activations(module, options.activation_checkpointing, split)
+    _wrap_data_axis(module, layout, options, (mesh, data_mesh), split, stages, precision)
     pipeline_tied.mark_copies(module, tied)  # after FSDP2/TP replaced the parameter objects
     loss_fn, count = (pipe.loss_fn, pipe.count_items) if pipe is not None else (None, None)
     return Parallelized(layout, options, plan, split, tuple(stages), tuple(stage_ids), last, loss_fn, count, tuple(tied))

@@ -1,16 +1,35 @@
-"""The data axis under FSDP2: shard each pipeline layer, then the roots, over the data-parallel mesh.
+"""The data axis on FSDP2: every ZeRO stage, HSDP and replicated data parallelism alike.
 
-Replicated data parallelism (``zero_stage=0``) averages gradients once per optimizer step
-with :func:`lightning_parallel.parallel.gradients.all_reduce_gradients`; ZeRO-2/3 use
-torch's ``fully_shard`` here.
+``zero_stage`` 2/3 shard over the data axis (``fully_shard`` on a 1-D mesh), or under HSDP
+shard within ``data_shard`` ranks and all-reduce across ``data_replicate`` groups (a 2-D
+mesh). Replicated data parallelism (``zero_stage=0``) is the same machinery on a
+``(data_parallel, 1)`` mesh: HSDP with shard groups of one rank, parameters never
+resharded -- torchtitan's way of running DDP beside tensor and pipeline parallelism.
+
+Note:
+    Why FSDP2 and not DDP for ``zero_stage=0``: torch's ``DistributedDataParallel`` does not
+    take tensor-parallel DTensor parameters without private hooks, and its composable form
+    (``replicate``) lives in a private module; ``fully_shard`` is public, composes with TP's
+    DTensors and with ``torch.distributed.pipelining``. The gradient of each FSDP2 unit (one
+    pipeline layer, then the root) is all-reduced from its post-backward hook, i.e. during
+    backward, layer by layer -- the overlap DDP's buckets give, with a layer as the bucket
+    (under pipelining, torch's ``PipelineStage`` skips the sync of every micro-batch and
+    reduces a stage once its last backward is done, while other stages still compute);
+    an average is a sum divided by the group size, so the result is exact (1e-8 here). The
+    price: parameters are DTensors on the data mesh, and each forward "all-gathers" over a
+    group of one (a copy). What FSDP2 lacks is DDP's communication hooks: fp16/bf16
+    compression is its ``MixedPrecisionPolicy.reduce_dtype``; PowerSGD has no FSDP2 form.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
+
+from lightning_parallel.layout import DATA_AXES, DATA_PARALLEL, ParallelLayout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -21,27 +40,110 @@ def has_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def shard_data_axis(
-    layers: Sequence[nn.Module], roots: Sequence[nn.Module], dp_mesh: DeviceMesh, zero_stage: int
-) -> None:
-    """Apply FSDP2 ``fully_shard`` per layer, then to each root, over the data-parallel mesh.
+def data_mesh_shape(layout: ParallelLayout, zero_stage: int) -> Optional[tuple[int, int]]:
+    """``(replicas, shards)`` of the 2-D data mesh FSDP2 needs, or None when the 1-D data axis serves.
 
     Args:
-        layers: the model's pipeline layers (each becomes its own FSDP unit, so parameters
-            are gathered one layer at a time); layers of other stages hold no parameters and
-            are skipped.
+        layout: the resolved layout.
+        zero_stage: 0 (replicated: ``(data_parallel, 1)`` when there is a data axis), 2 or 3
+            (``(data_replicate, data_shard)`` under HSDP, else the flat axis).
+    """
+    if zero_stage == 0:
+        return (layout.data_parallel, 1) if layout.data_parallel_enabled else None
+    return (layout.data_replicate, layout.data_shard) if layout.hsdp_enabled else None
+
+
+def uses_data_axis(layout: ParallelLayout, zero_stage: int) -> bool:
+    """Whether FSDP2 wraps the model: always under ZeRO 2/3, with a data axis under ``zero_stage=0``."""
+    return bool(zero_stage) or layout.data_parallel_enabled
+
+
+def data_axis_mesh(
+    layout: ParallelLayout, zero_stage: int, mesh: DeviceMesh, data_mesh: Optional[DeviceMesh]
+) -> DeviceMesh:
+    """The mesh ``fully_shard`` takes: ``data_mesh``'s 2-D view when one is needed, else the 1-D data axis.
+
+    Args:
+        layout: the resolved layout.
+        zero_stage: the run's ZeRO stage.
+        mesh: the 3-D run mesh.
+        data_mesh: the run mesh with its data axis unflattened into ``(data_replicate, data_shard)``
+            of :func:`data_mesh_shape` (``lightning_parallel._compat.unflatten_mesh_dim``), or None.
+
+    Raises:
+        ValueError: a 2-D data mesh is needed and ``data_mesh`` is missing or has another shape.
+    """
+    shape = data_mesh_shape(layout, zero_stage)
+    if shape is None:
+        return mesh[DATA_PARALLEL]
+    found = None if data_mesh is None else tuple(data_mesh[name].size() for name in DATA_AXES)
+    if found != shape:
+        raise ValueError(
+            f"zero_stage={zero_stage} on {layout.describe()} reduces gradients over a {shape[0]} x {shape[1]} "
+            f"(data_replicate, data_shard) mesh, but data_mesh is {found}: pass data_mesh="
+            f"_compat.unflatten_mesh_dim(mesh, 'data_parallel', {shape}, {DATA_AXES})."
+        )
+    return data_mesh[DATA_AXES]
+
+
+def shard_data_axis(
+    layers: Sequence[nn.Module],
+    roots: Sequence[nn.Module],
+    dp_mesh: DeviceMesh,
+    zero_stage: int,
+    mp_policy: Optional[Any] = None,
+) -> None:
+    """Apply FSDP2 ``fully_shard`` per layer, then to each root, over the data mesh.
+
+    Args:
+        layers: the model's pipeline layers (each becomes its own FSDP unit: parameters are
+            gathered, and gradients reduced during backward, one layer at a time); layers of
+            other stages hold no parameters and are skipped.
         roots: the modules that take the remaining parameters: the whole model, or under
             pipelining each local stage module (so ``PipelineStage`` sees an FSDP module and
             controls gradient synchronisation per micro-batch).
-        dp_mesh: the one-dimensional data-parallel mesh.
-        zero_stage: 2 (gradients and optimizer state sharded, parameters kept gathered after
-            forward) or 3 (parameters resharded after forward).
+        dp_mesh: the 1-D data mesh (FSDP) or the 2-D ``(data_replicate, data_shard)`` mesh
+            (HSDP; ``zero_stage=0`` passes shard groups of one rank).
+        zero_stage: 0 (replicated) or 2 (parameters kept gathered after forward) or 3
+            (parameters resharded after forward).
+        mp_policy: FSDP2's ``MixedPrecisionPolicy`` (None: FSDP2's default, full precision).
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    reshard = zero_stage == 3
+    kwargs = {"mesh": dp_mesh, "reshard_after_forward": zero_stage == 3,
+              "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy()}
     for layer in layers:
         if has_parameters(layer):
-            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
+            fully_shard(layer, **kwargs)
     for root in roots:
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(root, **kwargs)
+
+
+@contextmanager
+def deferred_gradient_sync(module: nn.Module, zero_stage: int, hsdp: bool) -> Iterator[None]:
+    """Skip the data-axis reduction of the backwards inside (gradient accumulation micro-steps).
+
+    ``zero_stage=0`` skips all communication: gradients accumulate unreduced, as under DDP's
+    ``no_sync``. HSDP under ZeRO 2/3 skips only the all-reduce across replica groups: the
+    reduce-scatter within a shard group still runs, so gradients stay sharded in memory.
+    Flat ZeRO 2/3 keeps reducing every micro-step for the same reason (sharded gradients
+    are the point of ZeRO-2). On exit every FSDP2 module syncs again.
+
+    Args:
+        module: the model holding FSDP2 modules (no-op without them).
+        zero_stage: the run's ZeRO stage.
+        hsdp: whether the data axis is split into replica and shard groups.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)] if zero_stage == 0 or hsdp else []
+    for unit in units:
+        if zero_stage == 0:
+            unit.set_requires_gradient_sync(False, recurse=False)
+        else:
+            unit.set_requires_all_reduce(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_requires_gradient_sync(True, recurse=False)

@@ -41,7 +41,7 @@ OFFLOAD_FLAGS = {
     "offload_param": ("offload_parameters", "parameters"),
 }
 # Precision flags DeepSpeed runs on each device type.
-CPU_PRECISIONS = ("32-true", "32")
+CPU_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true")
 CUDA_PRECISIONS = ("32-true", "32", "16-mixed", "16-true", "bf16-mixed", "bf16-true")
 
 
@@ -209,7 +209,18 @@ def apply_trainer_settings(
 
 
 def apply_precision(config: dict[str, Any], precision: str, device_type: str) -> dict[str, Any]:
-    """Turn ``Trainer(precision=...)`` into DeepSpeed's ``fp16``/``bf16`` blocks, in place.
+    """Turn ``Trainer(precision=...)`` into DeepSpeed's precision blocks, in place.
+
+    What each precision becomes (the README's precision table says it per strategy):
+
+    * ``bf16-mixed`` -- DeepSpeed's ``torch_autocast`` block: parameters, gradients and
+      optimizer state stay fp32, matmuls run in bf16 under ``torch.autocast``, as Lightning's
+      ``bf16-mixed`` does elsewhere. ``lower_precision_safe_modules: []`` keeps every
+      gradient reduction fp32 (DeepSpeed's default would reduce Linear gradients in bf16).
+    * ``bf16-true`` -- DeepSpeed's ``bf16`` block: bf16 parameters and compute, fp32 master
+      weights and optimizer state inside DeepSpeed's optimizer; ``communication_data_type:
+      "fp32"`` makes the gradient reduction fp32.
+    * ``16-mixed``/``16-true`` -- DeepSpeed's ``fp16`` block with its loss scaling (CUDA only).
 
     Args:
         config: the merged DeepSpeed config (modified and returned).
@@ -217,17 +228,18 @@ def apply_precision(config: dict[str, Any], precision: str, device_type: str) ->
         device_type: ``"cpu"`` or ``"cuda"``.
 
     Raises:
-        ValueError: a precision the device cannot run here (CPU runs fp32 only), or a raw
-            ``fp16``/``bf16`` block that contradicts the Trainer's precision.
+        ValueError: a precision the device cannot run here (CPU has no fp16), or a raw
+            ``fp16``/``bf16``/``torch_autocast`` block that contradicts the Trainer's precision.
     """
     allowed = CPU_PRECISIONS if device_type == "cpu" else CUDA_PRECISIONS
     if precision not in allowed:
         raise ValueError(
             f"precision={precision!r} is not supported by DeepSpeed on {device_type.upper()} here: "
             f"use one of {', '.join(allowed)}"
-            + (" (or run on CUDA for bf16-mixed / 16-mixed)." if device_type == "cpu" else ".")
+            + (" (or run on CUDA for 16-mixed / 16-true)." if device_type == "cpu" else ".")
         )
-    wanted = {"fp16": precision in ("16-mixed", "16-true"), "bf16": precision in ("bf16-mixed", "bf16-true")}
+    wanted = {"fp16": precision in ("16-mixed", "16-true"), "bf16": precision == "bf16-true",
+              "torch_autocast": precision == "bf16-mixed"}
     for key, enabled in wanted.items():
         block = config.get(key)
         if block is None:
@@ -237,7 +249,13 @@ def apply_precision(config: dict[str, Any], precision: str, device_type: str) ->
         if not isinstance(block, Mapping) or bool(block.get("enabled", False)) != enabled:
             raise ValueError(
                 f"The raw DeepSpeed config sets {key}={block!r} but Trainer(precision={precision!r}) "
-                f"{'needs' if enabled else 'excludes'} it: set the precision with Trainer(precision=...) only and "
+                f"{'needs' if enabled else 'excludes'} it (bf16-mixed is torch_autocast with fp32 weights, bf16-true is "
+                f"DeepSpeed's bf16 with fp32 masters): set the precision with Trainer(precision=...) only and "
                 f"drop {key}.enabled from the DeepSpeed config (keep loss-scale options there if you need them)."
             )
+    if wanted["torch_autocast"]:
+        _check_same(config["torch_autocast"], "dtype", "bfloat16", "Trainer(precision='bf16-mixed')")
+        _check_same(config["torch_autocast"], "lower_precision_safe_modules", [], "fp32 gradient reduction")
+    if wanted["bf16"]:
+        _check_same(config, "communication_data_type", "fp32", "fp32 gradient reduction under bf16-true")
     return config

@@ -1,4 +1,4 @@
-"""Gradient reduction and clipping that see the whole model, wherever its pieces live.
+"""Gradient clipping that sees the whole model, wherever its pieces live (the data axis reduces in FSDP2: data.py).
 
 Note:
     ``torch.nn.utils.clip_grad_norm_`` sees one process's parameters. Under pipeline
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_parallel.parallel.pipeline_tied import TIED_COPY_ATTR
+from lightning_parallel.parallel.precision import upcast_for_reduction
 
 
 def _grads_by_mesh(parameters: Iterable[Tensor]) -> dict[object, list[Tensor]]:
@@ -47,6 +48,9 @@ def total_grad_norm(
         pipeline_group: the group of pipeline stages holding the rest of the model
             (None when the model is not pipelined). Data-parallel replicas need no
             reduction: their gradients are already averaged (or sharded as DTensors).
+
+    The norm is computed and reduced in fp32 whatever the gradients' dtype (bf16 under
+    ``bf16-true``): squares of bf16 gradients summed in bf16 lose the small ones.
     """
     from torch.distributed.tensor import DTensor
 
@@ -57,6 +61,7 @@ def total_grad_norm(
     norm_type = float(norm_type)
     norms = []
     for grads in _grads_by_mesh(params).values():
+        grads = [upcast_for_reduction(g) for g in grads]
         norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=False if isinstance(grads[0], DTensor) else None)
         norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
     device = norms[0].device if norms else (params[0].device if params else torch.device("cpu"))
@@ -103,44 +108,3 @@ def clip_grad_norm_(
             # scalar on every rank, so no collective is needed.
             (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
     return total
-
-
-def all_reduce_gradients(parameters: Iterable[Tensor], group: dist.ProcessGroup, bucket_bytes: int = 25 * 2**20) -> None:
-    """Average gradients over a data-parallel group (plain data parallelism, ``zero_stage=0``).
-
-    Gradients are flattened into buckets of about ``bucket_bytes`` so one collective
-    carries many small tensors. A DTensor gradient is reduced through its local shard:
-    the data-parallel replicas hold the same shard of the same tensor-parallel layout.
-
-    Note:
-        This runs once per optimizer step after the last backward (gradient accumulation
-        needs no communication in between). It does not overlap with the backward pass as
-        DDP's hooks do; on GPUs prefer ``zero_stage=2``, where FSDP2 overlaps the reduction.
-
-    Args:
-        parameters: parameters whose ``.grad`` to average.
-        group: the data-parallel process group.
-        bucket_bytes: approximate size of one flattened all-reduce.
-    """
-    from torch.distributed.tensor import DTensor
-
-    size = dist.get_world_size(group)
-    if size == 1:
-        return
-    grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in parameters if p.grad is not None]
-    buckets: dict[tuple, list[list[Tensor]]] = {}
-    for g in grads:
-        key = (g.dtype, g.device)
-        bucket_list = buckets.setdefault(key, [[]])
-        if sum(t.numel() * t.element_size() for t in bucket_list[-1]) > bucket_bytes:
-            bucket_list.append([])
-        bucket_list[-1].append(g)
-    for bucket_list in buckets.values():
-        for bucket in bucket_list:
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-            flat.div_(size)
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()

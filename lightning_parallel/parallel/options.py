@@ -15,8 +15,10 @@ from datetime import timedelta
 from typing import Any, Optional, Union
 
 from lightning_parallel.layout import Size, check_size
+from lightning_parallel.parallel.activation_checkpoint import Choice, check_choice
 from lightning_parallel.parallel.partition import METHODS
 from lightning_parallel.parallel.pipeline import validate_schedule
+from lightning_parallel.parallel.precision import check_dtype_option
 
 # The one default collective timeout of every strategy in the suite: long enough for a slow
 # checkpoint write, short enough that a dead rank fails the job within the hour.
@@ -26,7 +28,7 @@ ZERO_STAGES = (0, 2, 3)
 
 # What the data axis does at each ZeRO stage (start-up table, docs).
 ZERO_DESCRIPTIONS = {
-    0: "replicated, gradient all-reduce",
+    0: "replicated, gradient all-reduce per layer during backward (FSDP2, shard groups of 1)",
     2: "FSDP2: gradients + optimizer state sharded",
     3: "FSDP2: parameters, gradients + optimizer state sharded",
 }
@@ -84,6 +86,16 @@ class ParallelOptions:
         plan: extra or overriding tensor-parallel plan entries (glob -> style name; None removes).
         save_distributed_checkpoint: sharded DCP folder (True) or one consolidated file.
         timeout: collective timeout (``timedelta``, seconds, or None for :data:`DEFAULT_TIMEOUT`).
+        activation_checkpointing: ``"none"``, ``"full"``, ``"selective"`` or a list of submodule globs
+            (see :mod:`lightning_parallel.parallel.activation_checkpoint`).
+        param_dtype: FSDP2's all-gathered (computing) parameter dtype, ``"float32"`` or
+            ``"bfloat16"``; None: bf16 under ``bf16-mixed`` without tensor parallelism, else the
+            parameters' own (see :mod:`lightning_parallel.parallel.precision`). zero_stage 2/3 only.
+        reduce_dtype: FSDP2's gradient reduce-scatter dtype, ``"float32"`` (default) or ``"bfloat16"``.
+        data_replicate_size, data_shard_size: HSDP (``zero_stage`` 2/3): the data axis as
+            ``data_replicate_size`` groups of ``data_shard_size`` ranks, sharding within a group
+            and all-reduce across groups; give either or both (product ``data_parallel_size``).
+            None for both: shard over the whole data axis (``zero_stage=0`` replicates it whole).
 
     Raises:
         ValueError: any option that cannot work, naming the fix.
@@ -102,6 +114,11 @@ class ParallelOptions:
     plan: Optional[Mapping[str, Any]] = field(default=None, hash=False)
     save_distributed_checkpoint: bool = True
     timeout: Optional[Union[timedelta, int, float]] = None
+    activation_checkpointing: Choice = "none"
+    param_dtype: Optional[str] = None
+    reduce_dtype: str = "float32"
+    data_replicate_size: Optional[int] = None
+    data_shard_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
@@ -124,6 +141,23 @@ class ParallelOptions:
         object.__setattr__(self, "partition", _check_partition(plain(self.partition)))
         object.__setattr__(self, "plan", plain(self.plan))
         object.__setattr__(self, "timeout", as_timeout(self.timeout))
+        object.__setattr__(self, "activation_checkpointing", check_choice(plain(self.activation_checkpointing)))
+        check_dtype_option("param_dtype", self.param_dtype, allow_none=True)
+        check_dtype_option("reduce_dtype", self.reduce_dtype, allow_none=False)
+        self._check_data_split()
+
+    def _check_data_split(self) -> None:
+        split = {n: getattr(self, n) for n in ("data_replicate_size", "data_shard_size") if getattr(self, n) is not None}
+        for name, value in split.items():
+            if value == "auto":
+                raise ValueError(f"{name}='auto' is not supported: give a size, or leave it None (derived).")
+            check_size(name, value)
+        if split and self.zero_stage == 0:
+            given = ", ".join(f"{n}={v}" for n, v in split.items())
+            raise ValueError(
+                f"{given} splits the data axis for HSDP, which shards within a group: zero_stage=0 replicates the "
+                "model on every data rank and all-reduces over the whole axis. Fix: zero_stage=2 or 3, or drop it."
+            )
 
     def num_stages(self, pipeline_parallel: int) -> int:
         """Pipeline stages in all for ``pipeline_parallel`` ranks."""
@@ -133,4 +167,5 @@ class ParallelOptions:
     def settings(self) -> tuple[Any, ...]:
         """What decides how a module is split and sharded (a parallelised module cannot change them)."""
         return (self.schedule, self.stages_per_rank, self.partition, self.zero_stage, self.sequence_parallel,
-                self.loss_parallel, repr(self.plan))
+                self.loss_parallel, repr(self.plan), self.activation_checkpointing, self.param_dtype, self.reduce_dtype,
+                self.data_replicate_size, self.data_shard_size)

@@ -147,7 +147,8 @@ class PipelineRunner:
             value = value.full_tensor() if hasattr(value, "full_tensor") else value
             value = value.to(device)
         else:
-            value = torch.zeros((), device=device)
+            # float32 as on the last stage: under bf16-true the default dtype is bfloat16 here.
+            value = torch.zeros((), device=device, dtype=torch.float32)
         dist.broadcast(value, src=self.last_stage_rank, group=self.group)
         return value
 

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_parallel.parallel.precision import upcast_for_reduction
+
 TIED_COPY_ATTR = "pipeline_tied_copy"  # True on a parameter that is a further copy of a tied one
 
 
@@ -132,7 +134,8 @@ def sum_tied_gradients(
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         grad = _local(param.grad)
-        delta = grad - old if old is not None else grad.clone()
+        # Exchanged and summed in fp32 whatever the gradient's dtype (bf16 under bf16-true).
+        delta = upcast_for_reduction(grad) - upcast_for_reduction(old) if old is not None else upcast_for_reduction(grad).clone()
         parts = []
         for holder in entry.ranks:
             if holder == entry.rank:
@@ -146,7 +149,7 @@ def sum_tied_gradients(
         total = parts[0]
         for part in parts[1:]:
             total = total + part
-        grad.copy_(total if old is None else old + total)
+        grad.copy_(total if old is None else upcast_for_reduction(old) + total)
         setattr(param, TIED_COPY_ATTR, not entry.is_first)
 
 

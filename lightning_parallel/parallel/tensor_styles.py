@@ -130,14 +130,17 @@ class SumGradients(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        import torch
         import torch.distributed as dist
 
         group = device_mesh.get_group()
 
         def summed(grad: Any) -> Any:
-            grad = grad.clone()  # a hook must not change the gradient autograd handed it
-            dist.all_reduce(grad, group=group)
-            return grad
+            # A copy (a hook must not change the gradient autograd handed it), summed in fp32
+            # whatever the gradient's dtype (bf16 under bf16-true), as Megatron reduces in fp32.
+            total = grad.to(torch.float32, copy=True) if grad.dtype != torch.float64 else grad.clone()
+            dist.all_reduce(total, group=group)
+            return total.to(grad.dtype)
 
         for param in module.parameters():
             if param.requires_grad:

@@ -35,7 +35,7 @@ from typing import Any, Optional, Union
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import DeepSpeedPrecision, Precision
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -54,13 +54,15 @@ from lightning_parallel._compat import (
 from lightning_parallel.adapters.hf_loss import token_weighting, training_context
 from lightning_parallel.checkpoints.foreign import describe_checkpoint, unreadable_checkpoint_error
 from lightning_parallel.checkpoints.hf_metadata import add_hugging_face_entry
+from lightning_parallel.parallel.activation_checkpoint import check_choice, describe_choice, is_checkpointed
+from lightning_parallel.parallel.compose import check_activation_checkpointing, checkpoint_activations
 from lightning_parallel.parallel.deepspeed_config import (
     RawConfig,
     apply_precision,
     apply_trainer_settings,
     build_zero_config,
 )
-from lightning_parallel.parallel.options import DEFAULT_TIMEOUT, as_timeout
+from lightning_parallel.parallel.options import DEFAULT_TIMEOUT, as_timeout, plain
 
 # Names registered by DeepSpeedDataParallelStrategy.register_strategies -> constructor arguments.
 REGISTERED = {
@@ -108,6 +110,19 @@ class _ZeRO3ForwardRedirection(DDPForwardRedirection):
             del coordinator.reset_step
 
 
+class _AutocastDeepSpeedPrecision(DeepSpeedPrecision):
+    """Lightning's DeepSpeed precision for ``bf16-mixed`` (DeepSpeed's ``torch_autocast``), inputs left as they come.
+
+    Lightning's plugin casts every floating-point batch tensor to bf16 under ``bf16-mixed``,
+    targets included, which no other strategy does under autocast (a loss against
+    bf16-rounded targets differs from the first step on). Autocast casts what each op needs.
+    """
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        return data
+
+
 class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
     """DeepSpeed ZeRO data parallelism that runs on CPU (gloo) as well as CUDA (NCCL).
 
@@ -132,6 +147,10 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
         logging_level: DeepSpeed's log level.
         load_full_weights: ``ckpt_path`` is a single-file Lightning checkpoint (from DDP,
             say) rather than a DeepSpeed checkpoint folder; weights only, no optimizer state.
+        activation_checkpointing: ``"none"``, ``"full"``, ``"selective"`` or a list of submodule
+            globs, applied to the module before ``deepspeed.initialize`` (torch's non-reentrant
+            checkpointing, as under the hybrid strategy; see
+            :mod:`lightning_parallel.parallel.activation_checkpoint`).
 
     Raises:
         ValueError: unknown stage, an offload the stage does not support, a raw config
@@ -155,7 +174,9 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
         timeout: Union[timedelta, int, float, None] = DEFAULT_TIMEOUT,
         logging_level: int = logging.WARN,
         load_full_weights: bool = False,
+        activation_checkpointing: Union[str, list[str]] = "none",
     ) -> None:
+        self.activation_checkpointing = check_choice(plain(activation_checkpointing))
         merged = build_zero_config(stage, offload_optimizer, offload_parameters, config)
         timeout = as_timeout(timeout)
         super().__init__(
@@ -203,10 +224,32 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
                 "use Trainer(accelerator='cpu') or Trainer(accelerator='cuda')."
             )
         apply_precision(copy.deepcopy(self.config), self.precision_plugin.precision, self.device_type)
+        if self.precision_plugin.precision == "bf16-mixed" and type(self.precision_plugin) is DeepSpeedPrecision:
+            self.precision_plugin = _AutocastDeepSpeedPrecision("bf16-mixed")
+        check_activation_checkpointing(self.lightning_module, self.activation_checkpointing)
         _use_deepspeed_accelerator(self.device_type)
         # Skip DeepSpeedStrategy.setup_environment (its CUDA check); DDPStrategy's sets the
         # device up and calls setup_distributed below.
         super(DeepSpeedStrategy, self).setup_environment()
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        """Lightning's set-up, the module's layers checkpointed first (once per module).
+
+        Note:
+            torch's non-reentrant checkpointing, not ``deepspeed.checkpointing`` (built around
+            Megatron's model-parallel unit, which this strategy lacks): a mode means the same
+            recomputation under every strategy. Under ZeRO-3 the recomputation enters the layers
+            again and DeepSpeed's module hooks gather their parameters as in the forward.
+        """
+        module = self.lightning_module
+        if not any(is_checkpointed(m) for m in module.modules()):
+            checkpoint_activations(module, self.activation_checkpointing)
+        super().setup(trainer)
+
+    def startup_rows(self, layout: Any) -> dict[str, str]:
+        """Strategy rows of the start-up table (see :mod:`lightning_parallel.report`)."""
+        return {"activation checkpointing": describe_choice(self.activation_checkpointing)}
 
     @override
     def setup_distributed(self) -> None:

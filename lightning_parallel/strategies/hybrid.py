@@ -10,6 +10,8 @@ lifecycle only: the process group and mesh (``setup_environment``), one call to
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -29,12 +31,15 @@ from lightning_parallel.checkpoints import optimizer_state_dict, resolve_checkpo
 from lightning_parallel.checkpoints.hf_metadata import add_hugging_face_entry
 from lightning_parallel.checkpoints.resume import resume_from
 from lightning_parallel.checkpoints.to_lightning import parameter_order_entry
-from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL, ParallelLayout, Size
-from lightning_parallel.parallel import gradients, pipeline_tied
+from lightning_parallel.layout import DATA_AXES, DATA_PARALLEL, PIPELINE_PARALLEL, ParallelLayout, Size
+from lightning_parallel.parallel import pipeline_tied
+from lightning_parallel.parallel.activation_checkpoint import describe_choice
 from lightning_parallel.parallel.compose import Parallelized, check_module, parallelize
+from lightning_parallel.parallel.data import data_mesh_shape, deferred_gradient_sync
 from lightning_parallel.parallel.options import ZERO_DESCRIPTIONS, ParallelOptions
 from lightning_parallel.parallel.partition import measure_layer_times
 from lightning_parallel.parallel.pipeline import PipelineSplit
+from lightning_parallel.parallel.precision import check_precision, describe_precision
 from lightning_parallel.protocol import split_batch
 from lightning_parallel.strategies import executors
 from lightning_parallel.strategies.clipping import GlobalNormClipping
@@ -75,6 +80,15 @@ class HybridParallelStrategy(ModelParallelStrategy):
             onto this layout, or the load is refused when it cannot be exactly (state that is not
             per-element, a param-group mismatch). ``False``: load everything else (weights,
             loops, LR schedulers, callbacks) and start the optimizer afresh, with a warning.
+        activation_checkpointing: ``"none"``, ``"full"`` (every layer recomputes its forward in
+            backward), ``"selective"`` (keeps matmul and attention outputs, recomputes the rest)
+            or a list of submodule globs; see :mod:`lightning_parallel.parallel.activation_checkpoint`.
+        param_dtype, reduce_dtype: FSDP2's mixed-precision policy under ``zero_stage`` 2/3 (all-gathered
+            parameters; gradient reduce-scatter, fp32 by default). The Trainer's ``precision`` decides
+            the rest; what each precision does per axis: :mod:`lightning_parallel.parallel.precision`.
+        data_replicate_size, data_shard_size: HSDP under ``zero_stage`` 2/3: shard within groups of
+            ``data_shard_size`` data ranks, all-reduce across ``data_replicate_size`` groups
+            (see :mod:`lightning_parallel.parallel.data`).
 
     ``ckpt_path`` may name the suite's folder, a Lightning single-file checkpoint (single
     device, DDP, FSDP full state), a Lightning DCP folder (``ModelParallelStrategy``,
@@ -105,6 +119,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = None,
         load_optimizer_state: bool = True,
+        activation_checkpointing: Union[str, list[str]] = "none",
+        param_dtype: Optional[str] = None,
+        reduce_dtype: str = "float32",
+        data_replicate_size: Optional[int] = None,
+        data_shard_size: Optional[int] = None,
     ) -> None:
         if not isinstance(load_optimizer_state, bool):
             raise ValueError(
@@ -115,6 +134,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.options = ParallelOptions(
             data_parallel_size, pipeline_parallel_size, tensor_parallel_size, zero_stage, microbatches, schedule,
             partition, stages_per_rank, sequence_parallel, loss_parallel, plan, save_distributed_checkpoint, timeout,
+            activation_checkpointing=activation_checkpointing, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            data_replicate_size=data_replicate_size, data_shard_size=data_shard_size,
         )
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -126,6 +147,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.layout: Optional[ParallelLayout] = None
         self.parallelized: Optional[Parallelized] = None
         self._mesh: Any = None
+        self._data_mesh: Any = None  # the data axis unflattened (replicate, shard), when FSDP2 needs it
         self._parallelized_module: Optional[weakref.ref] = None
         self._executor: executors.DirectExecutor = executors.DirectExecutor()
 
@@ -142,7 +164,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         """
         o = self.options
         return ParallelLayout.resolve(world_size, o.data_parallel_size, o.pipeline_parallel_size, o.tensor_parallel_size,
-                                      names=names or _SIZE_NAMES, num_nodes=num_nodes or self.num_nodes)
+                                      names=names or _SIZE_NAMES, num_nodes=num_nodes or self.num_nodes,
+                                      data_replicate=o.data_replicate_size, data_shard=o.data_shard_size)
 
     def startup_rows(self, layout: ParallelLayout) -> dict[str, str]:
         """Strategy rows of the start-up table (see :mod:`lightning_parallel.report`)."""
@@ -156,7 +179,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
             )
         if layout.tensor_parallel_enabled:
             rows["tensor"] = f"sequence_parallel={o.sequence_parallel}, loss_parallel={o.loss_parallel}"
-        rows["data"] = ZERO_DESCRIPTIONS[o.zero_stage]
+        rows["data"] = ZERO_DESCRIPTIONS[o.zero_stage] + (
+            f"; HSDP {layout.data_replicate} replica groups x {layout.data_shard} shards" if layout.hsdp_enabled else "")
+        rows["precision"] = describe_precision(str(self.precision_plugin.precision), o, layout)
+        rows["activation checkpointing"] = describe_choice(o.activation_checkpointing)
         rows.update(rank_map_rows(layout))
         return rows
 
@@ -189,8 +215,12 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 "stage: keep save_distributed_checkpoint=True under pipeline parallelism (the folder loads under any layout)."
             )
         check_module(self.lightning_module, self.layout, self.options)
+        check_precision(self.precision_plugin.precision, self.options, self.layout)
         _compat.init_model_parallel_process_group(self)
         self._mesh = self.layout.build_mesh(self.root_device.type)
+        shape = data_mesh_shape(self.layout, self.options.zero_stage)
+        if shape is not None:
+            self._data_mesh = _compat.unflatten_mesh_dim(self._mesh, DATA_PARALLEL, shape, DATA_AXES)
         _compat.set_module_device_mesh(self.lightning_module, self._mesh)
 
     @override
@@ -225,7 +255,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         timed = layout.pipeline_parallel_enabled and self.options.partition == "time"
         times = self._agreed_layer_times(module, trainer) if timed else None
         self.parallelized = parallelize(
-            module, layout, self.device_mesh, self.options, self.global_rank, times, on_split=self._print_split
+            module, layout, self.device_mesh, self.options, self.global_rank, times, on_split=self._print_split,
+            precision=str(self.precision_plugin.precision), data_mesh=self._data_mesh,
         )
         self._parallelized_module = weakref.ref(module)
 
@@ -279,26 +310,22 @@ class HybridParallelStrategy(ModelParallelStrategy):
         return self._executor.backward(default, closure_loss)
 
     @override
-    @names_timeouts("optimizer_step (data-parallel gradient all-reduce, global-norm clipping, non-finite check)")
+    @names_timeouts("optimizer_step (global-norm clipping, non-finite check)")
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self.options.zero_stage == 0 and self.layout.data_parallel_enabled:
-            closure = self._averaging(closure)
+        # The data axis needs nothing here: FSDP2 reduced the gradients during the last backward.
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
-    def _averaging(self, closure: Any) -> Any:
-        """``closure``, then the data-parallel gradient average (replicated data parallelism).
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's accumulation micro-steps: no data-axis reduction until the window's last backward.
 
-        Once per optimizer step, after the last accumulated backward and before Lightning's
-        clipping hook: replicas must agree before the norm is taken.
+        See :func:`~lightning_parallel.parallel.data.deferred_gradient_sync` (what each ZeRO stage skips).
+        Under pipelining torch's ``PipelineStage`` re-enables the sync at every schedule's end, so
+        there each accumulated batch is reduced (still exact); raise ``microbatches`` instead.
         """
-        group = self.device_mesh[DATA_PARALLEL].get_group()
-
-        def closure_then_average() -> Any:
-            result = closure()
-            gradients.all_reduce_gradients(self.lightning_module.parameters(), group)
-            return result
-
-        return closure_then_average
+        with deferred_gradient_sync(self.lightning_module, self.options.zero_stage, self.layout.hsdp_enabled):
+            yield
 
     # --- checkpoints -----------------------------------------------------------------------
     @override

@@ -9,6 +9,13 @@ traceback, so a broken collective never hangs the test session.
 
 Because ``LOCAL_RANK`` is set, Lightning treats the processes as launched externally,
 so the function may build a ``Trainer(devices=N, ...)`` and call ``fit`` directly.
+
+Ranks start from a fork server that has imported torch, Lightning and this package once
+(``set_forkserver_preload``): with ``spawn`` every rank of every launch re-imported them, which
+cost seconds per rank and dominated short tests. The fork server is single-threaded when it
+forks (it only imports and waits), so forking it is safe where forking the test process, whose
+torch may have started threads, is not. Each rank still starts as ``spawn`` would have started
+it: with the parent's current environment and working directory and fresh random seeds.
 """
 
 from __future__ import annotations
@@ -22,6 +29,12 @@ import traceback
 from typing import Any, Callable, Optional
 
 from lightning_parallel.launch import free_port
+
+# What every rank imports anyway; the fork server imports it once for all launches of a session.
+# Not deepspeed: its import asks torch.cuda for the device count, and a process that has touched
+# CUDA cannot hand it on to forked children (checked: these four never touch torch.cuda).
+_PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_parallel")
+_START_METHOD = "forkserver"  # "spawn" works too (the launch benchmark compares them), only slower
 
 
 class DistributedRunError(RuntimeError):
@@ -37,7 +50,13 @@ def _worker(
     args: tuple,
     kwargs: dict,
     results: "mp.Queue[tuple[int, bool, Any]]",
+    parent_environ: Optional[dict[str, str]] = None,
 ) -> None:
+    if parent_environ is not None:
+        # The fork server's environment is the parent's at the time the server started; a rank gets
+        # the parent's environment of now, as a spawned process would.
+        os.environ.clear()
+        os.environ.update(parent_environ)
     os.environ.update(env)
     os.environ.update(
         {
@@ -50,9 +69,14 @@ def _worker(
             "LOCAL_WORLD_SIZE": str(world_size),
         }
     )
+    import numpy
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    # Forked ranks would share the fork server's generator states (Python's own `random` reseeds
+    # itself after a fork); a spawned process starts from fresh entropy, so do these.
+    torch.seed()
+    numpy.random.seed()
     try:
         value = fn(rank, world_size, *args, **kwargs)
         # Plain pickle, not the queue's: torch would share tensors through file descriptors
@@ -108,12 +132,18 @@ def _start_ranks(
     fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, env: Optional[dict[str, str]]
 ) -> tuple[list[Any], mp.Queue]:
     """Spawn the ranks on a free port; each reports ``(rank, ok, pickled value or traceback)`` on the queue."""
-    ctx = mp.get_context("spawn")  # fork after torch has started threads is unsafe
+    ctx = mp.get_context(_START_METHOD)  # never plain "fork": torch may have started threads in this process
+    if _START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(list(_PRELOAD))  # takes effect when the server starts (the first launch)
     results: mp.Queue = ctx.Queue()
     port = free_port()
     rank_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
     procs = [
-        ctx.Process(target=_worker, args=(fn, rank, world_size, port, rank_env, args, kwargs, results), daemon=False)
+        ctx.Process(
+            target=_worker,
+            args=(fn, rank, world_size, port, rank_env, args, kwargs, results, dict(os.environ)),
+            daemon=False,
+        )
         for rank in range(world_size)
     ]
     for proc in procs:

@@ -19,7 +19,7 @@ CASES = {
     "micro_batch": ({"train_micro_batch_size_per_gpu": 3}, {}),
     "accumulation": ({"gradient_accumulation_steps": 4}, {"accumulate_grad_batches": 2}),
     "clip_by_value": (None, {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}),
-    "bf16_on_cpu": (None, {"precision": "bf16-mixed"}),
+    "fp16_on_cpu": (None, {"precision": "16-true"}),
 }
 
 
@@ -49,7 +49,7 @@ def outcomes() -> dict[str, tuple[str, str, int]]:
         ("micro_batch", r"train_micro_batch_size_per_gpu=3 but the train dataloader's batch_size gives 16"),
         ("accumulation", r"gradient_accumulation_steps=4 but Trainer\(accumulate_grad_batches=...\) gives 2"),
         ("clip_by_value", r"clips gradients by norm only"),
-        ("bf16_on_cpu", r"precision='bf16-mixed' is not supported by DeepSpeed on CPU"),
+        ("fp16_on_cpu", r"precision='16-true' is not supported by DeepSpeed on CPU"),
     ],
 )
 def test_contradiction_fails_before_training(outcomes, name, match):

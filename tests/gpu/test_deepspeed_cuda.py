@@ -35,7 +35,8 @@ def _fit(rank: int, world_size: int, stage, precision: str, root: str) -> dict[s
     result: dict[str, object] = {"losses": history.losses}
     if stage is not None:
         engine = trainer.strategy.deepspeed_engine
-        result["bf16"] = bool(engine.bfloat16_enabled())
+        # bf16-mixed is DeepSpeed's torch_autocast (fp32 weights, bf16 matmuls), not its bf16 block.
+        result["bf16"] = bool(engine.torch_autocast_enabled()) and not engine.bfloat16_enabled()
         result["device"] = str(next(engine.module.parameters()).device)
         path = Path(root) / f"zero{stage}.ckpt"
         trainer.save_checkpoint(path)

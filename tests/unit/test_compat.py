@@ -108,6 +108,15 @@ def test_fit_loop_checkpoint_layout_has_the_keys_exact_resume_rewrites():
     assert checkpoint["loops"]["fit_loop"]["state_dict"] == {}
 
 
+def test_device_mesh_unflatten_takes_dim_sizes_and_names():
+    import inspect
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    params = list(inspect.signature(DeviceMesh._unflatten).parameters)
+    assert params[:4] == ["self", "dim", "mesh_sizes", "mesh_dim_names"]
+
+
 def test_dcp_set_element_exists():
     from torch.distributed.checkpoint._traverse import set_element
 

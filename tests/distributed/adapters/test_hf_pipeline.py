@@ -29,12 +29,13 @@ import torch.distributed as dist
 from lightning_parallel.adapters.hf import causal_lm_loss_terms, causal_lm_valid_count
 from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL, ParallelLayout
 from lightning_parallel.parallel.compose import parallelize
-from lightning_parallel.parallel.gradients import all_reduce_gradients, total_grad_norm
+from lightning_parallel.parallel.gradients import total_grad_norm
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.pipeline import PipelineRunner
 from lightning_parallel.parallel.pipeline_tied import TIED_COPY_ATTR
 from lightning_parallel.protocol import split_batch
 from lightning_parallel.testing import run_processes
+from tests.distributed.parallel.data_mesh import data_mesh
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
 pytestmark = pytest.mark.slow
@@ -125,7 +126,7 @@ def train(rank, layout, family, schedule, stages_per_rank, zero_stage, microbatc
     mesh = layout.build_mesh("cpu")
     module = UserModule(family)
     assert not any(hasattr(module, name) for name in PROTOCOL_METHODS)
-    result = parallelize(module, layout, mesh, options, rank)
+    result = parallelize(module, layout, mesh, options, rank, data_mesh=data_mesh(layout, mesh, zero_stage))
     pp_group = mesh[PIPELINE_PARALLEL].get_group()
     dp_group = mesh[DATA_PARALLEL].get_group() if layout.data_parallel_enabled else None
     runner = PipelineRunner(result.stages, result.stage_ids, result.num_stages, schedule, microbatches,
@@ -143,9 +144,7 @@ def train(rank, layout, family, schedule, stages_per_rank, zero_stage, microbatc
             dist.all_reduce(num_items, group=dp_group)
         counts.append([int(causal_lm_valid_count(t)) for t in targets.chunk(microbatches)])
         optimizer.zero_grad()
-        loss = runner.train_step(inputs, targets, num_items=num_items)
-        if dp_group is not None and zero_stage == 0:
-            all_reduce_gradients(module.parameters(), dp_group)
+        loss = runner.train_step(inputs, targets, num_items=num_items)  # FSDP2 averages over the data axis
         clip_tied_once(list(module.parameters()), pp_group)
         optimizer.step()
         if dp_group is not None:

@@ -15,16 +15,17 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+from functools import partial
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_parallel.strategies import HybridParallelStrategy as Hybrid
-from lightning_parallel.testing import LossHistory, max_abs_difference, run_processes
-from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
+from lightning_parallel.testing import max_abs_difference, run_processes
+from lightning_parallel.testing.fit import fit_regression_epochs, optimizer_step_counts
+from lightning_parallel.testing.models import ResidualMLP
 
 # The module's spawns take ~7 minutes on a 2-core machine shared with other jobs (load ~19): more than the
 # default per-test limit, which counts the module fixtures against the first test.
@@ -57,39 +58,26 @@ class TensorAndFullyShardedMLP(ResidualMLP):
         fully_shard(self, mesh=mesh["data_parallel"])
 
 
-def _fit(world_size, strategy, epochs, dp, module=None, callbacks=(), ckpt_path=None, seed=0):
-    pl.seed_everything(0)
-    history = LossHistory()
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=epochs,
-                         limit_train_batches=BATCHES, limit_val_batches=0, logger=False,
-                         enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False, callbacks=[history, *callbacks])
-    data = FixedOrderData(regression_dataset(BATCHES * GLOBAL_BATCH, 32), batch_size=GLOBAL_BATCH // dp)
-    trainer.fit(module or ResidualMLP(optimizer="adamw", seed=seed), datamodule=data, ckpt_path=ckpt_path)
-    return history.losses, trainer
+_fit = partial(fit_regression_epochs, batches=BATCHES, global_batch=GLOBAL_BATCH)
 
 
 def _saver(root, name):
     return ModelCheckpoint(dirpath=root, filename=name, save_top_k=-1, save_on_train_epoch_end=True)
 
 
-def _step_counts(trainer) -> list[int]:
-    return sorted({int(state["step"]) for state in trainer.optimizers[0].state.values() if "step" in state})
-
-
 def _single_process(rank, world_size, root):
     """The single-device source, and the reference: the same save-and-resume on this one process."""
-    _fit(1, "auto", 1, 1, callbacks=[_saver(root, "single")])
-    losses, trainer = _fit(1, "auto", 2, 1, ckpt_path=str(Path(root) / "single.ckpt"), seed=1)
-    return {"losses": losses, "steps": _step_counts(trainer)}
+    _fit(1, "auto", 1, callbacks=[_saver(root, "single")])
+    losses, trainer = _fit(1, "auto", 2, ckpt_path=str(Path(root) / "single.ckpt"), seed=1)
+    return {"losses": losses, "steps": optimizer_step_counts(trainer)}
 
 
 def _two_process_sources(rank, world_size, root):
     from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
 
-    _fit(2, "ddp", 1, 2, callbacks=[_saver(root, "ddp")])
+    _fit(2, "ddp", 1, callbacks=[_saver(root, "ddp")])
     for stage in (2, 3):
-        _fit(2, DeepSpeedDataParallelStrategy(stage=stage), 1, 2, callbacks=[_saver(root, f"zero{stage}")])
+        _fit(2, DeepSpeedDataParallelStrategy(stage=stage), 1, callbacks=[_saver(root, f"zero{stage}")])
 
 
 def _resume_all(rank, world_size, root, names, dropped=(), refused=None):
@@ -98,18 +86,16 @@ def _resume_all(rank, world_size, root, names, dropped=(), refused=None):
 
     if world_size == 4:  # Lightning's ModelParallelStrategy dp2 x tp2 folder, for the pp2 target
         mp = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
-        _fit(4, mp, 1, 2, TensorAndFullyShardedMLP(optimizer="adamw"), [_saver(root, "model_parallel")])
+        _fit(4, mp, 1, data_parallel=2, module=TensorAndFullyShardedMLP(optimizer="adamw"),
+             callbacks=[_saver(root, "model_parallel")])
     out = {}
     for name in names:
         _, sizes, sources = TARGETS[name]
         for source in sources:
-            strategy = Hybrid(**sizes)
-            losses, trainer = _fit(world_size, strategy, 2, strategy.resolve_layout(world_size).data_parallel,
-                                   ckpt_path=str(Path(root) / f"{source}.ckpt"), seed=1)
-            out[(name, source)] = {"losses": losses, "steps": _step_counts(trainer)}
+            losses, trainer = _fit(world_size, Hybrid(**sizes), 2, ckpt_path=str(Path(root) / f"{source}.ckpt"), seed=1)
+            out[(name, source)] = {"losses": losses, "steps": optimizer_step_counts(trainer)}
     for name, source in dropped:
-        strategy = Hybrid(load_optimizer_state=False, **TARGETS[name][1])
-        losses, _ = _fit(world_size, strategy, 2, strategy.resolve_layout(world_size).data_parallel,
+        losses, _ = _fit(world_size, Hybrid(load_optimizer_state=False, **TARGETS[name][1]), 2,
                          ckpt_path=str(Path(root) / f"{source}.ckpt"), seed=1)
         out[(name, source, "dropped")] = {"losses": losses}
     if refused:
@@ -168,7 +154,7 @@ def _refusals(rank, world_size, paths):
     messages = {}
     for name, path in paths.items():
         try:
-            _fit(world_size, Hybrid(pipeline_parallel_size=2, data_parallel_size=1), 2, 1, ckpt_path=path, seed=1)
+            _fit(world_size, Hybrid(pipeline_parallel_size=2, data_parallel_size=1), 2, ckpt_path=path, seed=1)
             messages[name] = None
         except Exception as error:  # noqa: BLE001 - the message is what is checked
             messages[name] = f"{type(error).__name__}: {error}"

@@ -8,6 +8,7 @@ pipeline runner when the module was cut into stages, ``module(x)`` otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -16,10 +17,12 @@ import torch.distributed as dist
 
 from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL, ParallelLayout
 from lightning_parallel.parallel.compose import parallelize
-from lightning_parallel.parallel.gradients import all_reduce_gradients, clip_grad_norm_
+from lightning_parallel.parallel.data import deferred_gradient_sync
+from lightning_parallel.parallel.gradients import clip_grad_norm_
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.pipeline import PipelineRunner
 from lightning_parallel.testing import max_abs_difference, run_processes
+from tests.distributed.parallel.data_mesh import data_mesh
 from tests.distributed.parallel.tp_runs import BATCH, batches, tiny_gpt
 
 pytestmark = pytest.mark.slow
@@ -51,7 +54,7 @@ def _train_parallel(rank: int, world_size: int, sizes: tuple[int, int, int], zer
     mesh = layout.build_mesh("cpu")
     options = ParallelOptions(*sizes, zero_stage=zero_stage, microbatches=2, schedule="gpipe", partition="uniform")
     module = copy.deepcopy(tiny_gpt())
-    result = parallelize(module, layout, mesh, options, rank)
+    result = parallelize(module, layout, mesh, options, rank, data_mesh=data_mesh(layout, mesh, zero_stage))
     runner = None
     if result.pipelined:
         runner = PipelineRunner(result.stages, result.stage_ids, result.num_stages, options.schedule, options.microbatches,
@@ -63,13 +66,13 @@ def _train_parallel(rank: int, world_size: int, sizes: tuple[int, int, int], zer
     for inputs, targets in batches(STEPS):
         inputs, targets = _data_shard(inputs, targets, layout, rank)
         optimizer.zero_grad()
-        if runner is not None:
-            loss = runner.train_step(inputs, targets)
-        else:
-            loss = module.pipeline_loss(module(inputs), targets)
-            loss.backward()
-        if average and zero_stage == 0 and layout.data_parallel_enabled:
-            all_reduce_gradients(module.parameters(), mesh[DATA_PARALLEL].get_group())
+        # FSDP2 averages over the data axis during backward; the negative control never lets it.
+        with deferred_gradient_sync(module, zero_stage, hsdp=False) if not average else contextlib.nullcontext():
+            if runner is not None:
+                loss = runner.train_step(inputs, targets)
+            else:
+                loss = module.pipeline_loss(module(inputs), targets)
+                loss.backward()
         clip_grad_norm_(list(module.parameters()), 0.5, pipeline_group=pp_group)
         optimizer.step()
         loss = loss.detach().clone()

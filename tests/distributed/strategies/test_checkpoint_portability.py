@@ -11,37 +11,22 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_parallel import checkpoints as ckpt
 from lightning_parallel.strategies import HybridParallelStrategy as Hybrid
-from lightning_parallel.testing import LossHistory, max_abs_difference, run_processes
+from lightning_parallel.testing import max_abs_difference, run_processes
 from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
+from tests.distributed.saved_checkpoints import BATCHES, GLOBAL_BATCH, SAVE_LAYOUTS
+from tests.distributed.saved_checkpoints import fit as _fit
 
 pytestmark = pytest.mark.slow
 
-BATCHES = 4  # per epoch; checkpoints are taken at the end of epoch 0
-GLOBAL_BATCH = 16
-SAVE_LAYOUTS = {"dp2xtp2": {"tensor_parallel_size": 2}, "pp2xtp2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
-                "dp2xpp2": {"pipeline_parallel_size": 2}}
+
+@pytest.fixture(scope="module")
+def saved(hybrid_checkpoints):
+    """One checkpoint per layout of ``SAVE_LAYOUTS`` (4 processes), taken at the end of epoch 0."""
+    return hybrid_checkpoints
 
 
-def _fit(world_size, strategy, epochs, callbacks=(), ckpt_path=None, seed=0):
-    pl.seed_everything(0)
-    history = LossHistory()
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=epochs, limit_train_batches=BATCHES,
-                         limit_val_batches=0, logger=False, enable_checkpointing=bool(callbacks), enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False, callbacks=[history, *callbacks])
-    dp = strategy.resolve_layout(world_size).data_parallel if not isinstance(strategy, str) else 1
-    data = FixedOrderData(regression_dataset(BATCHES * GLOBAL_BATCH, 32), batch_size=GLOBAL_BATCH // dp)
-    trainer.fit(ResidualMLP(optimizer="adamw", seed=seed), datamodule=data, ckpt_path=ckpt_path)
-    return history.losses, trainer
-
-
-def _save_all(rank, world_size, root):
-    for name, sizes in SAVE_LAYOUTS.items():
-        saver = ModelCheckpoint(dirpath=root, filename=name, save_top_k=-1, save_on_train_epoch_end=True)
-        _fit(world_size, Hybrid(**sizes), 1, [saver])
-
-
-def _load_all(rank, world_size, root, targets):
-    out = {}
+def _load_all(rank, world_size, root, targets, reference=False):
+    out = {"reference": _fit(1, "auto", 2)[0]} if reference else {}  # the uninterrupted single-process run
     for target, sizes in targets.items():
         for name in SAVE_LAYOUTS:
             losses, _ = _fit(world_size, Hybrid(**sizes), 2, ckpt_path=str(Path(root) / f"{name}.ckpt"), seed=1)
@@ -49,31 +34,20 @@ def _load_all(rank, world_size, root, targets):
     return out
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """One checkpoint per save layout (4 processes), taken at the end of epoch 0."""
-    root = tmp_path_factory.mktemp("portable")
-    run_processes(_save_all, 4, str(root), timeout=900)
-    return root
-
-
 def test_checkpoints_load_under_other_layouts_and_training_continues(saved):
-    (reference,) = run_processes(lambda_reference, 1)
     loads = {
         1: {"single": {}},
         2: {"tp2": {"data_parallel_size": 1, "tensor_parallel_size": 2}},
         4: {"pp4": {"data_parallel_size": 1, "pipeline_parallel_size": 4}, "dp4-zero3": {"zero_stage": 3}},
     }
+    reference = None
     for world, targets in loads.items():
-        for rank, result in enumerate(run_processes(_load_all, world, str(saved), targets, timeout=900)):
+        for rank, result in enumerate(run_processes(_load_all, world, str(saved), targets, world == 1, timeout=900)):
+            reference = result.pop("reference", reference)
             for (target, source), losses in result.items():
                 assert len(losses) == BATCHES
                 diff = max_abs_difference(losses, reference[BATCHES:])
                 assert diff < 1e-5, f"saved under {source}, loaded under {target}, rank {rank}: {diff:.2e}"
-
-
-def lambda_reference(rank, world_size):
-    return _fit(1, "auto", 2)[0]
 
 
 class _CrashOnFourthSave(Hybrid):
@@ -98,8 +72,9 @@ def _crash_then_resume(rank, world_size, root, phase):
     saver = lambda: ModelCheckpoint(dirpath=root, filename="step{step}", save_last=True, every_n_train_steps=2,  # noqa: E731
                                     save_top_k=-1)
     if phase == "crash":
-        _fit(world_size, _CrashOnFourthSave(pipeline_parallel_size=2, data_parallel_size=1), 2, [saver()])
-    return _fit(world_size, Hybrid(pipeline_parallel_size=2, data_parallel_size=1), 1, [saver()], ckpt_path="last")[1].global_step
+        _fit(world_size, _CrashOnFourthSave(pipeline_parallel_size=2, data_parallel_size=1), 2, callbacks=[saver()])
+    return _fit(world_size, Hybrid(pipeline_parallel_size=2, data_parallel_size=1), 1, callbacks=[saver()],
+                ckpt_path="last")[1].global_step
 
 
 def test_a_crash_during_a_checkpoint_write_resumes_from_the_previous_complete_one(tmp_path):

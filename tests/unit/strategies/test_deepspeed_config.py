@@ -142,15 +142,16 @@ def test_raw_config_contradicting_the_trainer_is_refused(raw, match):
         apply_trainer_settings(raw, micro_batch_size=8, accumulate_grad_batches=1, gradient_clip_val=None, data_parallel_size=2)
 
 
-def test_precision_on_cpu_is_fp32_only():
+def test_precision_on_cpu_is_fp32_or_bf16():
     assert apply_precision({}, "32-true", "cpu") == {}
-    for precision in ("bf16-mixed", "16-mixed", "bf16-true"):
+    for precision in ("16-mixed", "16-true"):
         with pytest.raises(ValueError, match="not supported by DeepSpeed on CPU.*run on CUDA"):
             apply_precision({}, precision, "cpu")
+    # bf16: tests/unit/parallel/test_precision.py
 
 
 def test_precision_on_cuda_uses_deepspeed_blocks():
-    assert apply_precision({}, "bf16-mixed", "cuda") == {"bf16": {"enabled": True}}
+    assert apply_precision({}, "bf16-true", "cuda")["bf16"] == {"enabled": True}
     assert apply_precision({}, "16-mixed", "cuda") == {"fp16": {"enabled": True}}
     # Loss-scale options in a raw fp16 block stay; the Trainer decides only whether it is on.
     raw = {"fp16": {"enabled": True, "initial_scale_power": 12}}
@@ -159,7 +160,7 @@ def test_precision_on_cuda_uses_deepspeed_blocks():
 
 @pytest.mark.parametrize(
     ("raw", "precision"),
-    [({"bf16": {"enabled": True}}, "32-true"), ({"fp16": {"enabled": True}}, "bf16-mixed"), ({"bf16": {"enabled": False}}, "bf16-mixed")],
+    [({"bf16": {"enabled": True}}, "32-true"), ({"fp16": {"enabled": True}}, "bf16-mixed"), ({"bf16": {"enabled": False}}, "bf16-true")],
 )
 def test_raw_precision_contradicting_the_trainer_is_refused(raw, precision):
     with pytest.raises(ValueError, match=r"Trainer\(precision="):

@@ -15,7 +15,15 @@ def _all_reduce_rank(rank, world_size):
     dist.init_process_group("gloo")
     value = torch.tensor([float(rank + 1)])
     dist.all_reduce(value)
-    return {"rank": rank, "sum": float(value), "threads": os.environ["OMP_NUM_THREADS"], "world": world_size}
+    return {
+        "rank": rank,
+        "sum": float(value),
+        "threads": os.environ["OMP_NUM_THREADS"],
+        "world": world_size,
+        "marker": os.environ.get("LP_TEST_MARKER"),
+        "cwd": os.getcwd(),
+        "seed": torch.initial_seed(),
+    }
 
 
 def _fail_on_rank_one(rank, world_size):
@@ -30,10 +38,16 @@ def _hang_on_rank_zero(rank, world_size):
     return rank
 
 
-def test_each_rank_returns_its_result_through_gloo():
+def test_each_rank_returns_its_result_through_gloo(tmp_path, monkeypatch):
+    run_processes(_all_reduce_rank, 1)  # the fork server is running before the environment changes
+    monkeypatch.setenv("LP_TEST_MARKER", "set after the first launch")
+    monkeypatch.chdir(tmp_path)
     results = run_processes(_all_reduce_rank, 3)
     assert [r["rank"] for r in results] == [0, 1, 2]
     assert all(r["sum"] == 6.0 and r["threads"] == "1" and r["world"] == 3 for r in results)
+    # Ranks start as spawned processes would: the parent's environment and directory of now, fresh seeds.
+    assert all(r["marker"] == "set after the first launch" and r["cwd"] == str(tmp_path) for r in results)
+    assert len({r["seed"] for r in results}) == 3
 
 
 def test_failing_rank_is_named_with_its_traceback():
@@ -42,8 +56,9 @@ def test_failing_rank_is_named_with_its_traceback():
 
 
 def test_hanging_rank_times_out_and_is_killed():
+    run_processes(_fail_on_rank_one, 1)  # starts the fork server (imports torch) outside the deadline below
     start = time.monotonic()
     with pytest.raises(DistributedRunError, match=r"Timed out .* ranks \[0\]"):
-        # 45 s: rank 1 must start torch and finish inside it even on a loaded 2-core machine (15 s was not).
-        run_processes(_hang_on_rank_zero, 2, timeout=45)
-    assert time.monotonic() - start < 120
+        # Rank 1, forked from the running server, must finish inside it even on a loaded 2-core machine.
+        run_processes(_hang_on_rank_zero, 2, timeout=15)
+    assert time.monotonic() - start < 60

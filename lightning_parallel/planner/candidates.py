@@ -1,0 +1,198 @@
+"""Every layout of a world: data x pipeline x tensor sizes, ZeRO stage, schedule, micro-batches, checkpointing.
+
+:func:`enumerate_layouts` returns the candidates that can run and, for every other one, a
+:class:`Rejected` with the reason, in the words of the check that would refuse it at start-up
+(the suite's own checks are called where they exist: schedule rules, micro-batch splits,
+scaling of the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from lightning_parallel.layout import _factorizations
+from lightning_parallel.parallel.pipeline_schedules import SCHEDULES, check_microbatches, validate_schedule
+from lightning_parallel.planner.shapes import ModelShape
+from lightning_parallel.scaling import Reference, rescale
+
+CHECKPOINTING = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The batch a run trains with, as the config gives it (the scaling rule decides it per layout).
+
+    Args:
+        rule: the scaling rule (``none``, ``linear``, ``sqrt``, ``fixed_global_batch``).
+        reference: the scaling reference.
+        batch_size: samples per data-parallel rank per forward/backward (``data.batch_size``).
+        accumulate: configured gradient accumulation.
+        lr: configured learning rate.
+        warmup_steps: configured warm-up.
+    """
+
+    rule: str
+    reference: Reference
+    batch_size: int
+    accumulate: int = 1
+    lr: float = 1e-3
+    warmup_steps: int = 0
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which settings the planner tries besides the sizes.
+
+    Args:
+        zero_stages: ZeRO stages of the hybrid strategy (FSDP2 over the data axis).
+        deepspeed_stages: DeepSpeed ZeRO stages (data parallel only); empty to leave DeepSpeed out.
+        schedules: pipeline schedules.
+        microbatch_factors: micro-batches per batch as multiples of the stage count.
+        batch_sizes: per-rank batch sizes to try under ``fixed_global_batch`` (None: the configured one and every
+            power of two dividing the per-rank share of the global batch).
+        checkpointing: activation checkpointing modes (only those the strategies offer).
+    """
+
+    zero_stages: tuple[int, ...] = (0, 2, 3)
+    deepspeed_stages: tuple[int, ...] = (1, 2, 3)
+    schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b", "zbv")
+    microbatch_factors: tuple[int, ...] = (1, 2, 4)
+    batch_sizes: Optional[tuple[int, ...]] = None
+    checkpointing: tuple[str, ...] = ("none",)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout the strategies can run.
+
+    Args:
+        engine: ``hybrid`` (the suite's data x pipeline x tensor strategy) or ``deepspeed``.
+        dp: data-parallel size. pp: pipeline size. tp: tensor-parallel size.
+        zero: ZeRO stage (hybrid: 0, 2, 3; deepspeed: 1, 2, 3).
+        schedule: pipeline schedule (``-`` without pipeline).
+        stages_per_rank: pipeline stages per rank.
+        microbatches: micro-batches per batch (1 without pipeline).
+        batch_size: samples per data-parallel rank per forward/backward.
+        accumulate: batches per optimizer step.
+        global_batch: samples per optimizer step.
+        checkpointing: activation checkpointing mode.
+    """
+
+    engine: str
+    dp: int
+    pp: int
+    tp: int
+    zero: int
+    schedule: str
+    stages_per_rank: int
+    microbatches: int
+    batch_size: int
+    accumulate: int
+    global_batch: int
+    checkpointing: str = "none"
+
+    @property
+    def name(self) -> str:
+        """Short label: ``dp2xpp2 zero2 1f1b m4``."""
+        sizes = "x".join(f"{a}{n}" for a, n in (("dp", self.dp), ("pp", self.pp), ("tp", self.tp)) if n > 1) or "dp1"
+        parts = [sizes, f"ds{self.zero}" if self.engine == "deepspeed" else (f"zero{self.zero}" if self.zero else "")]
+        if self.pp > 1:
+            parts += [self.schedule + (f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""),
+                      f"m{self.microbatches}"]
+        parts += [f"b{self.batch_size}"] + ([f"ac:{self.checkpointing}"] if self.checkpointing != "none" else [])
+        return " ".join(p for p in parts if p)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A layout that cannot run, and why (``reason`` names the failed check)."""
+
+    label: str
+    reason: str
+    kind: str = field(default="invalid")
+
+
+def _tp_reasons(shape: ModelShape, tp: int) -> Optional[str]:
+    bad = [f"{what}={size}" for what, size in shape.tp_divides if size % tp]
+    return f"heads/widths not divisible: tensor size {tp} does not divide {', '.join(bad)}" if bad else None
+
+
+def _batch_sizes(space: SearchSpace, work: Workload, dp: int) -> list[int]:
+    if work.rule != "fixed_global_batch":
+        return [work.batch_size]
+    if space.batch_sizes is not None:
+        return list(space.batch_sizes)
+    share = (work.reference.global_batch_size or 0) // dp
+    powers = [b for b in (2**i for i in range(12)) if share and share % b == 0]
+    return sorted({work.batch_size, *powers})
+
+
+def _pipeline_settings(space: SearchSpace, pp: int, batch: int) -> tuple[list[tuple[str, int, int]], list[str]]:
+    """(schedule, stages per rank, micro-batches) that torch runs for ``pp`` ranks on ``batch``; and refusals."""
+    if pp == 1:
+        return [("-", 1, 1)], []
+    settings, reasons = [], []
+    for schedule in space.schedules:
+        v = {"one": 1, "two": 2, "many": 2}[SCHEDULES[schedule][1]]
+        for factor in space.microbatch_factors:
+            m = factor * pp
+            try:
+                validate_schedule(schedule, pp, v, m)
+                check_microbatches(batch, m)
+            except ValueError as error:
+                reasons.append(f"{schedule} m{m}: {str(error).split(':')[0]}")
+                continue
+            settings.append((schedule, v, m))
+    return sorted(set(settings)), reasons
+
+
+def _engines(space: SearchSpace, dp: int, pp: int, tp: int) -> list[tuple[str, int]]:
+    engines = [("hybrid", z) for z in space.zero_stages if z == 0 or dp > 1]
+    if pp == tp == 1 and dp > 1:
+        engines += [("deepspeed", s) for s in space.deepspeed_stages]
+    return engines
+
+
+def enumerate_layouts(shape: ModelShape, world: int, work: Workload,
+                      space: SearchSpace = SearchSpace()) -> tuple[list[Candidate], list[Rejected]]:
+    """Every candidate layout of ``world`` ranks for ``shape``, and every refused one with its reason.
+
+    Args:
+        shape: the model.
+        world: processes in the run.
+        work: the configured batch and scaling rule.
+        space: the settings to try besides the sizes.
+    """
+    candidates, rejected = [], []
+    layers = len(shape.layers)
+    checkpointing = space.checkpointing
+    if "selective" in checkpointing and any(layer.selective_saved is None for layer in shape.layers):
+        checkpointing = tuple(ac for ac in checkpointing if ac != "selective")
+        rejected.append(Rejected("activation_checkpointing=selective", "not modelled: what selective checkpointing "
+                                 f"keeps of {shape.name}'s measured layers is not known; none and full are planned"))
+    for dp, pp, tp in _factorizations(world):
+        label = f"dp{dp}xpp{pp}xtp{tp}"
+        reason = _tp_reasons(shape, tp) if tp > 1 else None
+        if reason is None and pp > layers:
+            reason = f"too few layers: {layers} pipeline layers cannot fill {pp} stages"
+        if reason:
+            rejected.append(Rejected(label, reason))
+            continue
+        for batch in _batch_sizes(space, work, dp):
+            try:
+                eff = rescale(work.rule, work.reference, dp, batch, work.accumulate, work.lr, work.warmup_steps)
+            except ValueError as error:
+                rejected.append(Rejected(f"{label} b{batch}", f"batch does not divide: {error}"))
+                continue
+            settings, reasons = _pipeline_settings(space, pp, batch)
+            rejected += [Rejected(f"{label} b{batch} {r.split(':')[0]}", r.split(": ", 1)[1]) for r in reasons]
+            for (schedule, v, m) in settings:
+                if pp * v > layers:
+                    rejected.append(Rejected(f"{label} {schedule}", f"too few layers: {layers} for {pp * v} stages"))
+                    continue
+                for engine, zero in _engines(space, dp, pp, tp):
+                    base = Candidate(engine, dp, pp, tp, zero, schedule, v, m, eff.micro_batch_size,
+                                     eff.accumulate_grad_batches, eff.global_batch_size)
+                    candidates += [replace(base, checkpointing=ac) for ac in checkpointing]
+    return candidates, rejected

@@ -1,0 +1,107 @@
+"""Bytes per rank of a candidate layout: parameters, gradients, optimizer state, activations.
+
+The sharding formulas are the ones ``benchmarks/memory_per_rank.py`` checks byte for byte
+against real runs of the hybrid strategy:
+
+* a pipeline rank holds the layers of its stages, cut by the same balanced partition the
+  strategy uses (:func:`lightning_parallel.parallel.partition.balanced_partition` over the
+  layers' parameter counts) and placed by the schedule's stage-to-rank mapping;
+* tensor parallelism divides the dimension the plan shards;
+* FSDP2 (``zero_stage`` 2 and 3) cuts each parameter's first dimension (as left by tensor
+  parallelism) into ``dp`` chunks (``torch.chunk``: the first rank holds the rounded-up chunk);
+  gradients are sharded like parameters and AdamW holds two states per local element;
+* DeepSpeed shards the flat optimizer state (stage 1), also gradients (2), also parameters (3)
+  in ``dp`` equal parts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from lightning_parallel.planner.candidates import Candidate
+from lightning_parallel.planner.shapes import ModelShape
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on the most loaded rank.
+
+    Args:
+        params: parameters at rest. grads: gradients. optim: optimizer state.
+        activations: saved for backward at the peak of the step.
+        working: gathered parameters while a sharded layer computes (FSDP2 / ZeRO-3).
+    """
+
+    params: float
+    grads: float
+    optim: float
+    activations: float
+    working: float = 0.0
+
+    @property
+    def states(self) -> float:
+        """Parameters + gradients + optimizer state."""
+        return self.params + self.grads + self.optim
+
+    @property
+    def total(self) -> float:
+        return self.states + self.activations + self.working
+
+
+@lru_cache(maxsize=1024)
+def _stage_layers(counts: tuple[int, ...], schedule: str, pp: int, v: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    from lightning_parallel.parallel.partition import balanced_partition
+    from lightning_parallel.parallel.pipeline_schedules import stage_ids_for_rank
+
+    bounds = balanced_partition(counts, pp * v)
+    return tuple(tuple(tuple(range(bounds[s], bounds[s + 1])) for s in stage_ids_for_rank(schedule, r, pp, v))
+                 for r in range(pp))
+
+
+def stage_layers(shape: ModelShape, c: Candidate) -> list[list[list[int]]]:
+    """For each pipeline rank, the layer indices of each of its stages."""
+    if c.pp == 1:
+        return [[list(range(len(shape.layers)))]]
+    placed = _stage_layers(tuple(shape.parameter_counts()), c.schedule, c.pp, c.stages_per_rank)
+    return [[list(stage) for stage in rank] for rank in placed]
+
+
+def _flat_share(numel: int, c: Candidate, stage: int) -> int:
+    """DeepSpeed's flat partition of ``numel`` elements over ``dp`` ranks from ZeRO stage ``stage`` on."""
+    return -(-numel // c.dp) if c.engine == "deepspeed" and c.zero >= stage else numel
+
+
+def state_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer state) bytes of ``layers`` on one rank."""
+    b = shape.param_bytes
+    if c.engine == "deepspeed":
+        total = sum(shape.layers[i].num_params for i in layers)
+        return b * _flat_share(total, c, 3), b * _flat_share(total, c, 2), shape.optimizer_states * b * _flat_share(total, c, 1)
+    fsdp = c.dp if c.zero in (2, 3) else 1
+    counts = shape.local_counts(c.tp, fsdp)
+    local = sum(counts[i][1] for i in layers)
+    return b * local, b * local, shape.optimizer_states * b * local
+
+
+def activation_bytes(shape: ModelShape, c: Candidate, layer: int, samples: int) -> float:
+    """Bytes ``layer`` keeps for backward for ``samples`` samples under the candidate's tensor size and checkpointing."""
+    s = shape.layers[layer]
+    if c.checkpointing == "full":
+        return s.output_bytes * samples  # the layer's input is kept; its inside is recomputed
+    kept = s.activation_sharded / c.tp + s.activation_replicated
+    if c.checkpointing == "selective":
+        kept *= s.selective_saved if s.selective_saved is not None else 1.0
+    return kept * samples
+
+
+def working_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> float:
+    """Parameters gathered while computing: ZeRO-2 keeps a stage gathered from forward to backward, ZeRO-3 a layer."""
+    sharded = c.dp > 1 and ((c.engine == "hybrid" and c.zero in (2, 3)) or (c.engine == "deepspeed" and c.zero == 3))
+    if not sharded:
+        return 0.0
+    counts = shape.local_counts(c.tp, 1)
+    full = [counts[i][0] for i in layers]
+    gathered = sum(full) if (c.engine == "hybrid" and c.zero == 2) else 2 * max(full, default=0)  # 2: prefetch
+    return shape.param_bytes * gathered

@@ -1,0 +1,137 @@
+"""A :class:`~lightning_parallel.planner.shapes.ModelShape` from an instantiated module and one sample batch.
+
+Parameters come from the module itself (exact); which of them tensor parallelism shards, from
+its ``tensor_parallel_plan()`` (the same glob -> style plan the strategies apply); forward FLOPs
+from ``torch.utils.flop_counter``; the bytes autograd saves for backward from one micro-batch
+through ``saved_tensors_hooks``; forward+backward seconds per layer from
+:func:`lightning_parallel.parallel.partition.measure_layer_times`, the function the ``time``
+partition uses.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_parallel.planner.shapes import LayerShape, ModelShape, Param
+
+# Which dimension of a weight each plan style shards, and whether the bias is sharded with it.
+_WEIGHT_DIM = {"colwise": 0, "colwise_gather": 0, "embedding_rowwise": 0, "embedding_rowwise_replicated": 0,
+               "rowwise": 1, "rowwise_replicated_input": 1, "embedding_colwise": 1}
+_BIAS_SHARDED = {"colwise", "colwise_gather"}
+# Styles whose forward (rowwise: sums partial outputs) or backward (colwise: sums input gradients) all-reduces.
+_ALL_REDUCE_STYLES = {"rowwise", "rowwise_replicated_input", "embedding_rowwise", "embedding_rowwise_replicated"}
+# Share of a transformer block's saved activations that tensor parallelism divides (Korthikanti et al. 2022,
+# 24 of 34 s*b*h terms without sequence parallelism); a layer without sharded parameters keeps all of them.
+_TP_SHARDED_SHARE = 24 / 34
+
+
+def _style_of(name: str, plan: Mapping[str, Any], prefix: str) -> Optional[str]:
+    """The plan style whose glob matches module ``prefix + name`` (the last match wins, as a dict update would)."""
+    found = None
+    for pattern, style in plan.items():
+        if isinstance(style, str) and fnmatch.fnmatchcase(prefix + name, pattern):
+            found = style
+    return found
+
+
+def _layer_params(layer: nn.Module, plan: Mapping[str, Any], prefix: str) -> tuple[tuple[Param, ...], int]:
+    """Parameters of ``layer`` with their tensor-parallel dims; and how many all-reducing styles it holds."""
+    params, reducing = [], 0
+    for module_name, module in layer.named_modules():
+        style = _style_of(module_name, plan, prefix) if module_name else _style_of("", plan, prefix.rstrip("."))
+        reducing += style in _ALL_REDUCE_STYLES
+        for pname, p in module.named_parameters(recurse=False):
+            dim = _WEIGHT_DIM.get(style) if pname == "weight" else (0 if style in _BIAS_SHARDED else None)
+            params.append(Param(tuple(p.shape), dim))
+    return tuple(params), reducing
+
+
+def _layer_prefixes(module: nn.Module, layers: Sequence[nn.Module]) -> list[str]:
+    names = {id(m): n for n, m in module.named_modules()}
+    return [names.get(id(layer), "") + "." for layer in layers]
+
+
+def _saved_bytes(layer: nn.Module, inp: Tensor) -> tuple[int, Tensor]:
+    """Bytes autograd saves in ``layer``'s forward (parameters excluded), and the output."""
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x = inp.detach().requires_grad_(inp.is_floating_point())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)
+    return sum(seen.values()), out.detach()
+
+
+def _flops(layer: nn.Module, inp: Tensor) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        layer(inp)
+    return counter.get_total_flops()
+
+
+def profile_module(module: nn.Module, sample: Tensor, name: str = "model", optimizer_states: int = 2) -> ModelShape:
+    """Measure a protocol module's pipeline layers on ``sample`` (the first layer's input, any batch size >= 1).
+
+    Args:
+        module: a module offering ``pipeline_layers()`` (and ``tensor_parallel_plan()`` for tensor parallelism).
+        sample: one batch of inputs for the first pipeline layer; per-sample figures divide by its size.
+        name: the model's name in tables.
+        optimizer_states: optimizer state tensors per parameter (2 for Adam/AdamW, 1 for SGD with momentum).
+    """
+    layers = list(module.pipeline_layers())
+    plan = dict(module.tensor_parallel_plan()) if hasattr(module, "tensor_parallel_plan") else {}
+    batch = sample.shape[0]
+    shapes, x = [], sample[:1]
+    for layer, prefix in zip(layers, _layer_prefixes(module, layers)):
+        params, reducing = _layer_params(layer, plan, prefix)
+        flops = _flops(layer, x)
+        saved, out = _saved_bytes(layer, x)
+        sharded = _TP_SHARDED_SHARE * saved if any(p.tp_dim is not None for p in params) else 0.0
+        shapes.append(LayerShape(
+            name=prefix.rstrip(".") or f"layer{len(shapes)}", params=params, fwd_flops=float(flops),
+            activation_sharded=sharded, activation_replicated=saved - sharded,
+            output_bytes=float(out.numel() * out.element_size()),
+            tp_all_reduce_bytes=float(reducing * out.numel() * out.element_size()),
+        ))
+        x = out
+    divides = _tp_limits(module)
+    timer = _layer_timer(layers, sample)
+    return ModelShape(name, tuple(shapes), tp_divides=divides, optimizer_states=optimizer_states,
+                      measured_seconds=timer, source=f"instantiated, measured on {batch} sample(s)")
+
+
+def _tp_limits(module: nn.Module) -> tuple[tuple[str, int], ...]:
+    """Sizes a tensor-parallel degree must divide: attention heads and every sharded dimension."""
+    hp = getattr(module, "hparams", {}) or {}
+    limits = [(k, int(hp[k])) for k in ("n_head", "num_heads", "d_model", "vocab_size") if isinstance(hp.get(k), int)]
+    return tuple(limits)
+
+
+def _layer_timer(layers: Sequence[nn.Module], sample: Tensor):
+    """``f(micro_batch) -> seconds per layer``: one measurement per micro-batch size, kept."""
+    from lightning_parallel.parallel.partition import measure_layer_times
+
+    @lru_cache(maxsize=None)
+    def seconds(micro_batch: int) -> tuple[float, ...]:
+        if micro_batch > sample.shape[0]:
+            reps = -(-micro_batch // sample.shape[0])
+            x = sample.repeat(reps, *([1] * (sample.dim() - 1)))[:micro_batch]
+        else:
+            x = sample[:micro_batch]
+        return tuple(measure_layer_times(layers, x, repeats=5))
+
+    return seconds

@@ -1,0 +1,177 @@
+"""What the planner knows of a model: its pipeline layers' parameters, FLOPs, activations and sharding limits.
+
+A :class:`ModelShape` comes from an instantiated module (:mod:`lightning_parallel.planner.profile`,
+exact parameters and a measured micro-batch per layer) or from published dimensions
+(:func:`llama3_shape`, analytic, for plans at a scale this machine cannot instantiate).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter tensor.
+
+    Args:
+        shape: its global shape.
+        tp_dim: the dimension tensor parallelism shards (None: replicated on the tensor group).
+    """
+
+    shape: tuple[int, ...]
+    tp_dim: Optional[int] = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One pipeline layer, per sample of one micro-batch.
+
+    Args:
+        name: the layer's name.
+        params: its parameters.
+        fwd_flops: forward FLOPs per sample (backward counts twice that).
+        activation_sharded: bytes saved for backward per sample that tensor parallelism divides.
+        activation_replicated: bytes saved for backward per sample every tensor rank keeps whole.
+        output_bytes: bytes per sample of the layer's output (a pipeline send; what full checkpointing keeps).
+        tp_all_reduce_bytes: bytes per sample all-reduced over the tensor group in forward (the same again in
+            backward): one tensor per row-parallel matrix, one per column-parallel group sharing an input.
+        recompute_fraction: share of the forward time selective checkpointing spends recomputing.
+        selective_saved: share of the activations selective checkpointing still keeps (None: not known, and
+            selective checkpointing is not planned for this layer).
+    """
+
+    name: str
+    params: tuple[Param, ...]
+    fwd_flops: float
+    activation_sharded: float
+    activation_replicated: float
+    output_bytes: float
+    tp_all_reduce_bytes: float = 0.0
+    recompute_fraction: float = 0.0
+    selective_saved: Optional[float] = None
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model as the planner sees it.
+
+    Args:
+        name: what to call it in tables.
+        layers: the pipeline layers in order.
+        tp_divides: ``(what, size)`` pairs a tensor-parallel size must divide (heads, widths, vocabulary).
+        param_bytes: bytes per parameter element (4: fp32 master weights).
+        optimizer_states: optimizer state tensors per parameter (2 for Adam/AdamW).
+        measured_seconds: ``f(micro_batch) -> forward+backward seconds of each layer`` on this machine, or None.
+        source: how the shape was obtained (shown in tables).
+    """
+
+    name: str
+    layers: tuple[LayerShape, ...]
+    tp_divides: tuple[tuple[str, int], ...] = ()
+    param_bytes: int = 4
+    optimizer_states: int = 2
+    measured_seconds: Optional[Callable[[int], Sequence[float]]] = field(default=None, compare=False, repr=False)
+    source: str = "analytic"
+
+    @property
+    def num_params(self) -> int:
+        return sum(layer.num_params for layer in self.layers)
+
+    @cached_property
+    def _counts(self) -> tuple[int, ...]:
+        return tuple(layer.num_params for layer in self.layers)
+
+    def parameter_counts(self) -> list[int]:
+        """Parameter elements per layer (what ``partition='parameters'`` balances)."""
+        return list(self._counts)
+
+    @cached_property
+    def _local_cache(self) -> dict[tuple[int, int], tuple[tuple[int, int], ...]]:
+        return {}
+
+    def local_counts(self, tp: int, fsdp: int) -> tuple[tuple[int, int], ...]:
+        """Per layer: (elements a tensor rank holds, elements the first FSDP shard of that holds) for ``tp`` and
+        ``fsdp`` (1: no FSDP). FSDP2 cuts dim 0 as tensor parallelism left it, rounding up (``torch.chunk``)."""
+        key = (tp, fsdp)
+        if key not in self._local_cache:
+            rows = []
+            for layer in self.layers:
+                tp_local = shard = 0
+                for p in layer.params:
+                    dims = list(p.shape)
+                    if tp > 1 and p.tp_dim is not None:
+                        dims[p.tp_dim] //= tp
+                    tp_local += math.prod(dims)
+                    dims[0] = -(-dims[0] // fsdp)
+                    shard += math.prod(dims)
+                rows.append((tp_local, shard))
+            self._local_cache[key] = tuple(rows)
+        return self._local_cache[key]
+
+
+def _block(i: int, h: int, heads: int, kv_heads: int, ffn: int, s: int, act_bytes: int) -> LayerShape:
+    """One Llama decoder block (RMSNorm, GQA attention with flash attention, SwiGLU MLP)."""
+    head_dim = h // heads
+    kv = kv_heads * head_dim
+    params = (
+        Param((h,)), Param((h, h), 0), Param((kv, h), 0), Param((kv, h), 0), Param((h, h), 1),
+        Param((h,)), Param((ffn, h), 0), Param((ffn, h), 0), Param((h, ffn), 1),
+    )
+    matmul = sum(p.numel for p in params if len(p.shape) == 2)
+    attention = 4 * s * s * h  # QK^T and AV, 2 FLOPs per multiply-add
+    # Saved for backward (Korthikanti et al. 2022, adapted to GQA + SwiGLU, flash attention keeps no s^2 scores):
+    # replicated: both norm inputs and the two matmul inputs after them; sharded: q, k, v, attention output,
+    # and the four ffn-wide tensors of SwiGLU.
+    replicated = act_bytes * s * 4 * h
+    sharded = act_bytes * s * (2 * h + 2 * kv + 4 * ffn)
+    # Selective (op-level: matmul and fused-attention outputs kept) recomputes the norms and SwiGLU's silu and
+    # product: it keeps the two norm inputs, q, k, v, the attention output and the w1 / w3 outputs.
+    kept = act_bytes * s * (2 * h + 2 * h + 2 * kv + 2 * ffn)
+    return LayerShape(
+        name=f"layers.{i}", params=params, fwd_flops=2 * matmul * s + attention,
+        activation_sharded=sharded, activation_replicated=replicated, output_bytes=act_bytes * s * h,
+        tp_all_reduce_bytes=2 * act_bytes * s * h, recompute_fraction=0.05,  # elementwise ops, memory-bound
+        selective_saved=kept / (replicated + sharded),
+    )
+
+
+LLAMA3 = {
+    # hidden, layers, heads, kv heads, ffn hidden, vocabulary (Meta's params.json of Llama 3 / 3.1)
+    "llama3-8b": (4096, 32, 32, 8, 14336, 128256),
+    "llama3-70b": (8192, 80, 64, 8, 28672, 128256),
+}
+
+
+def llama3_shape(name: str, seq_len: int = 8192, act_bytes: int = 2) -> ModelShape:
+    """Llama 3 8B or 70B from its published dimensions (no weights), bf16 activations.
+
+    Args:
+        name: ``llama3-8b`` or ``llama3-70b``.
+        seq_len: tokens per sample.
+        act_bytes: bytes per activation element (2: bf16).
+    """
+    if name not in LLAMA3:
+        raise ValueError(f"Unknown shape {name!r}: use one of {sorted(LLAMA3)}.")
+    h, n, heads, kv_heads, ffn, vocab = LLAMA3[name]
+    s = seq_len
+    embed = LayerShape("tok_embeddings", (Param((vocab, h), 0),), fwd_flops=0.0, activation_sharded=0.0,
+                       activation_replicated=0.0, output_bytes=act_bytes * s * h, tp_all_reduce_bytes=act_bytes * s * h)
+    head = LayerShape("norm+output", (Param((h,)), Param((vocab, h), 0)), fwd_flops=2 * vocab * h * s,
+                      activation_sharded=4 * s * vocab, activation_replicated=act_bytes * s * 2 * h,
+                      output_bytes=4 * s * vocab)
+    blocks = tuple(_block(i, h, heads, kv_heads, ffn, s, act_bytes) for i in range(n))
+    return ModelShape(name, (embed, *blocks, head), tp_divides=(("query heads", heads), ("kv heads", kv_heads),
+                      ("ffn hidden", ffn), ("vocabulary", vocab)), source=f"analytic (seq {s}, bf16 activations)")

@@ -1,0 +1,74 @@
+"""The data axis on FSDP2 -- replicated (reduced during backward) and HSDP -- matches one process.
+
+fp32, AdamW, gradient clipping, 10 optimizer steps, every rank within 1e-5 of one process
+on the same global batch; accumulation 2 exercises the deferred reduction of micro-steps.
+"""
+
+from contextlib import contextmanager
+from functools import partial
+
+import pytest
+
+from lightning_parallel.strategies import HybridParallelStrategy as Hybrid
+from lightning_parallel.testing import run_processes
+from tests.distributed.parity_runs import fit_cases
+from tests.distributed.strategies.parity import assert_parity, reference_losses
+
+pytestmark = pytest.mark.slow
+
+CLIP = {"gradient_clip_val": 0.5}
+ACCUMULATE = {"gradient_clip_val": 0.5, "accumulate_grad_batches": 2}
+
+
+class NeverReducing(Hybrid):
+    """Negative control: the data axis never reduces, so each replica trains on its own half batch."""
+
+    def setup(self, trainer):
+        from torch.distributed.fsdp import FSDPModule
+
+        super().setup(trainer)
+        for unit in self.lightning_module.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_requires_gradient_sync(False, recurse=False)
+
+    @contextmanager
+    def block_backward_sync(self):
+        yield
+
+
+def _case(strategy, data_parallel, trainer_kwargs):
+    return dict(strategy=strategy, global_batch=16, data_parallel=data_parallel, optimizer="adamw",
+                trainer_kwargs=trainer_kwargs)
+
+
+def test_replicated_data_parallel_on_two_processes_matches_one_process():
+    cases = {"dp2": _case(Hybrid, 2, CLIP), "dp2/accumulate2": _case(Hybrid, 2, ACCUMULATE)}
+    control = {"dp2/never-reducing": _case(NeverReducing, 2, CLIP)}
+    per_rank = run_processes(fit_cases, 2, {**cases, **control}, timeout=600)
+    reference = reference_losses({**cases, **control})
+    worst = assert_parity([{k: r[k] for k in cases} for r in per_rank], {k: reference[k] for k in cases})
+    print("max |diff| per case:", worst)
+    with pytest.raises(AssertionError, match="never-reducing"):
+        assert_parity([{k: r[k] for k in control} for r in per_rank], {k: reference[k] for k in control})
+
+
+def test_replicated_with_pipeline_or_tensor_and_hsdp_on_four_processes_match_one_process():
+    cases = {
+        "dp2xpp2/accumulate2": _case(partial(Hybrid, pipeline_parallel_size=2), 2, ACCUMULATE),
+        "dp2xtp2/accumulate2": _case(partial(Hybrid, tensor_parallel_size=2), 2, ACCUMULATE),
+        "hsdp2x2/zero2/accumulate2": _case(partial(Hybrid, zero_stage=2, data_shard_size=2), 4, ACCUMULATE),
+        "hsdp2x2/zero3": _case(partial(Hybrid, zero_stage=3, data_replicate_size=2), 4, CLIP),
+    }
+    per_rank = run_processes(fit_cases, 4, cases, timeout=900)
+    print("max |diff| per case:", assert_parity(per_rank, reference_losses(cases)))
+
+
+@pytest.mark.extended
+def test_hsdp_with_pipeline_or_tensor_on_eight_processes_matches_one_process():
+    cases = {
+        "hsdp2x2xpp2/zero2/accumulate2": _case(partial(Hybrid, pipeline_parallel_size=2, zero_stage=2,
+                                                       data_shard_size=2), 4, ACCUMULATE),
+        "hsdp2x2xtp2/zero3": _case(partial(Hybrid, tensor_parallel_size=2, zero_stage=3, data_shard_size=2), 4, CLIP),
+    }
+    per_rank = run_processes(fit_cases, 8, cases, timeout=1200)
+    print("max |diff| per case:", assert_parity(per_rank, reference_losses(cases)))
