@@ -252,6 +252,11 @@ def render_markdown(results: dict, images: list[str]) -> str:
     for name, r in layouts.items():
         if "error" not in r:
             lines.append(f"| {name} | {r['startup_s']:.3f} | {r['raw_startup_s']:.3f} |")
+    if results.get("activation_memory"):
+        from benchmarks.activation_memory import HOW, render_rows
+
+        lines += ["", "## 8. Activation checkpointing: peak activation memory and step time per rank", "", HOW, "",
+                  render_rows(results["activation_memory"])]
     gpu = results.get("gpu") or {}
     lines += ["", "## GPU mode (MFU)", "", gpu.get("note", "not run") if not gpu.get("rows") else "", ""]
     for r in gpu.get("rows", []):

@@ -13,7 +13,9 @@ Configured with Hydra from ``benchmarks/conf/config.yaml``. Writes
 * ``pipeline`` -- :mod:`benchmarks.pipeline_bubble`: bubble, efficiency, Gantt timelines,
   peak activation memory per schedule;
 * ``memory`` -- :mod:`benchmarks.memory_per_rank`: bytes per rank for tp/pp/hybrid/FSDP
-  layouts against the formulas.
+  layouts against the formulas;
+* ``activation`` -- :mod:`benchmarks.activation_memory`: peak activation memory and step time
+  with activation checkpointing none / selective / full (not in the default sections: ~5 minutes).
 """
 
 from __future__ import annotations
@@ -82,6 +84,11 @@ def run(cfg: dict[str, Any]) -> tuple[dict, Path]:
 
         results["memory"] = memory(cfg["model"], cfg["batch_size"])
         print(f"[benchmarks] memory done at {time.perf_counter() - start:.0f} s", flush=True)
+    if "activation" in sections:
+        from benchmarks.activation_memory import measure as activation_memory
+
+        results["activation_memory"] = activation_memory(cfg["activation"]["layouts"], cfg["activation"]["steps"])
+        print(f"[benchmarks] activation checkpointing done at {time.perf_counter() - start:.0f} s", flush=True)
     if cfg["gpu"]:
         from benchmarks.gpu import run_gpu
 

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.parallel.activation_checkpoint import describe_choice
 from lightning_parallel.scaling import EffectiveHparams
 from lightning_parallel.sweep_summary import METRICS_FILE
 
@@ -181,6 +182,8 @@ def startup_table(cfg: Any, strategy: Any, layout: ParallelLayout, effective: Ef
 
     paths = {"output": cfg.paths.output_dir, "logs": getattr(logger, "log_dir", "-"), "checkpoints": cfg.paths.checkpoint_dir}
     extra = dict(strategy.startup_rows(layout)) if hasattr(strategy, "startup_rows") else {}
+    if hasattr(strategy, "activation_checkpointing"):  # DeepSpeed's strategy; the hybrid one has the row already
+        extra.setdefault("activation checkpointing", describe_choice(strategy.activation_checkpointing))
     extra["same run on other devices"] = summary["reproduce"]
     reference = OmegaConf.to_container(cfg.scaling.reference, resolve=True)
     accelerator = cfg.trainer.accelerator

@@ -236,11 +236,13 @@ def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None
 def _prepare(cfg: DictConfig) -> tuple[int, tuple[Any, ParallelLayout], Optional[Path], dict[str, str], str]:
     """Everything settled before any rank starts: processes, checks, start checkpoint, run folder, validation."""
     from lightning_parallel.launch import launched_externally, processes_to_launch
+    from lightning_parallel.planner.planned import plan_if_asked
     from lightning_parallel.run_start import claim_run_folder, route_logs_to_file, start_checkpoint, validation_schedule
 
     route_logs_to_file()
     try:
         nprocs = processes_to_launch(cfg.trainer.devices, int(cfg.trainer.num_nodes))
+        planned = plan_if_asked(cfg)  # strategy=planned: the planner's layout replaces cfg.strategy
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     prepared = preflight(cfg)  # before any other rank starts: a bad config is reported once
@@ -249,7 +251,7 @@ def _prepare(cfg: DictConfig) -> tuple[int, tuple[Any, ParallelLayout], Optional
     note = validation_schedule(cfg)
     with open_dict(cfg):
         cfg.ckpt_path = str(start) if start else None  # every rank loads this one checkpoint
-    return nprocs, prepared, start, {"validation": note} if note else {}, identity
+    return nprocs, prepared, start, {**planned, **({"validation": note} if note else {})}, identity
 
 
 def _report_stop(cfg: DictConfig) -> None:

@@ -91,11 +91,15 @@ class ParallelOptions:
         param_dtype: FSDP2's all-gathered (computing) parameter dtype, ``"float32"`` or
             ``"bfloat16"``; None: bf16 under ``bf16-mixed`` without tensor parallelism, else the
             parameters' own (see :mod:`lightning_parallel.parallel.precision`). zero_stage 2/3 only.
-        reduce_dtype: FSDP2's gradient reduce-scatter dtype, ``"float32"`` (default) or ``"bfloat16"``.
+        reduce_dtype: the data-axis gradient reduction's dtype (FSDP2's reduce-scatter, or its
+            all-reduce under ``zero_stage=0``), ``"float32"`` (default) or ``"bfloat16"``.
         data_replicate_size, data_shard_size: HSDP (``zero_stage`` 2/3): the data axis as
             ``data_replicate_size`` groups of ``data_shard_size`` ranks, sharding within a group
             and all-reduce across groups; give either or both (product ``data_parallel_size``).
             None for both: shard over the whole data axis (``zero_stage=0`` replicates it whole).
+        comm_hook: DDP's gradient compression by its Lightning name: ``"none"`` or ``"bf16"``
+            (FSDP2's form of it: ``reduce_dtype="bfloat16"``); ``"fp16"`` and ``"powersgd"`` have
+            no FSDP2 form and are refused (see :mod:`lightning_parallel.parallel.data`).
 
     Raises:
         ValueError: any option that cannot work, naming the fix.
@@ -119,6 +123,7 @@ class ParallelOptions:
     reduce_dtype: str = "float32"
     data_replicate_size: Optional[int] = None
     data_shard_size: Optional[int] = None
+    comm_hook: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
@@ -143,8 +148,25 @@ class ParallelOptions:
         object.__setattr__(self, "timeout", as_timeout(self.timeout))
         object.__setattr__(self, "activation_checkpointing", check_choice(plain(self.activation_checkpointing)))
         check_dtype_option("param_dtype", self.param_dtype, allow_none=True)
+        self._apply_comm_hook()
         check_dtype_option("reduce_dtype", self.reduce_dtype, allow_none=False)
         self._check_data_split()
+
+    def _apply_comm_hook(self) -> None:
+        refused = {
+            "fp16": "fp16 gradients overflow without loss scaling, which the suite does not run: use "
+                    "comm_hook='bf16' (same bytes, fp32's exponent range)",
+            "powersgd": "PowerSGD needs DDP's reducer (its hook replaces DDP's bucket all-reduce); the data axis runs "
+                        "on FSDP2, which composes with tensor and pipeline parallelism but has no communication hooks "
+                        "(only reduce_dtype). Use comm_hook='bf16' to halve the bytes, or strategy=ddp with Lightning's "
+                        "DDPStrategy(ddp_comm_hook=...) for a data-parallel-only run",
+        }
+        if self.comm_hook in refused:
+            raise ValueError(f"comm_hook={self.comm_hook!r} cannot run here: {refused[self.comm_hook]}.")
+        if self.comm_hook not in ("none", "bf16"):
+            raise ValueError(f"Unknown comm_hook={self.comm_hook!r}: use 'none' or 'bf16' (gradients reduced in bf16).")
+        if self.comm_hook == "bf16":
+            object.__setattr__(self, "reduce_dtype", "bfloat16")  # FSDP2's form of DDP's bf16_compress_hook
 
     def _check_data_split(self) -> None:
         split = {n: getattr(self, n) for n in ("data_replicate_size", "data_shard_size") if getattr(self, n) is not None}

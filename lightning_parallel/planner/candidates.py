@@ -52,6 +52,7 @@ class SearchSpace:
         batch_sizes: per-rank batch sizes to try under ``fixed_global_batch`` (None: the configured one and every
             power of two dividing the per-rank share of the global batch).
         checkpointing: activation checkpointing modes (only those the strategies offer).
+        max_accumulation: under ``fixed_global_batch``, the most batches per optimizer step (None: any).
     """
 
     zero_stages: tuple[int, ...] = (0, 2, 3)
@@ -60,6 +61,7 @@ class SearchSpace:
     microbatch_factors: tuple[int, ...] = (1, 2, 4)
     batch_sizes: Optional[tuple[int, ...]] = None
     checkpointing: tuple[str, ...] = ("none",)
+    max_accumulation: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,9 @@ def _batch_sizes(space: SearchSpace, work: Workload, dp: int) -> list[int]:
         return list(space.batch_sizes)
     share = (work.reference.global_batch_size or 0) // dp
     powers = [b for b in (2**i for i in range(12)) if share and share % b == 0]
-    return sorted({work.batch_size, *powers})
+    sizes = sorted({work.batch_size, *powers})
+    limit = space.max_accumulation
+    return [b for b in sizes if limit is None or not share or share % b or share // b <= limit]
 
 
 def _pipeline_settings(space: SearchSpace, pp: int, batch: int) -> tuple[list[tuple[str, int, int]], list[str]]:

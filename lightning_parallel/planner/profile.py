@@ -108,6 +108,10 @@ def profile_module(module: nn.Module, sample: Tensor, name: str = "model", optim
             tp_all_reduce_bytes=float(reducing * out.numel() * out.element_size()),
         ))
         x = out
+    # The loss after the last layer keeps its log-probabilities (cross-entropy's saved tensor, logits-sized).
+    last = shapes[-1]
+    shapes[-1] = LayerShape(last.name, last.params, last.fwd_flops, last.activation_sharded,
+                            last.activation_replicated + last.output_bytes, last.output_bytes, last.tp_all_reduce_bytes)
     divides = _tp_limits(module)
     timer = _layer_timer(layers, sample)
     return ModelShape(name, tuple(shapes), tp_divides=divides, optimizer_states=optimizer_states,

@@ -54,7 +54,7 @@ from lightning_parallel._compat import (
 from lightning_parallel.adapters.hf_loss import token_weighting, training_context
 from lightning_parallel.checkpoints.foreign import describe_checkpoint, unreadable_checkpoint_error
 from lightning_parallel.checkpoints.hf_metadata import add_hugging_face_entry
-from lightning_parallel.parallel.activation_checkpoint import check_choice, describe_choice, is_checkpointed
+from lightning_parallel.parallel import activation_checkpoint as ac
 from lightning_parallel.parallel.compose import check_activation_checkpointing, checkpoint_activations
 from lightning_parallel.parallel.deepspeed_config import (
     RawConfig,
@@ -147,10 +147,8 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
         logging_level: DeepSpeed's log level.
         load_full_weights: ``ckpt_path`` is a single-file Lightning checkpoint (from DDP,
             say) rather than a DeepSpeed checkpoint folder; weights only, no optimizer state.
-        activation_checkpointing: ``"none"``, ``"full"``, ``"selective"`` or a list of submodule
-            globs, applied to the module before ``deepspeed.initialize`` (torch's non-reentrant
-            checkpointing, as under the hybrid strategy; see
-            :mod:`lightning_parallel.parallel.activation_checkpoint`).
+        activation_checkpointing: ``"none"``, ``"full"``, ``"selective"`` (not with stage 3) or a list
+            of submodule globs (see :mod:`lightning_parallel.parallel.activation_checkpoint`).
 
     Raises:
         ValueError: unknown stage, an offload the stage does not support, a raw config
@@ -176,7 +174,7 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
         load_full_weights: bool = False,
         activation_checkpointing: Union[str, list[str]] = "none",
     ) -> None:
-        self.activation_checkpointing = check_choice(plain(activation_checkpointing))
+        self.activation_checkpointing = ac.check_deepspeed_stage(ac.check_choice(plain(activation_checkpointing)), stage)
         merged = build_zero_config(stage, offload_optimizer, offload_parameters, config)
         timeout = as_timeout(timeout)
         super().__init__(
@@ -234,22 +232,10 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        """Lightning's set-up, the module's layers checkpointed first (once per module).
-
-        Note:
-            torch's non-reentrant checkpointing, not ``deepspeed.checkpointing`` (built around
-            Megatron's model-parallel unit, which this strategy lacks): a mode means the same
-            recomputation under every strategy. Under ZeRO-3 the recomputation enters the layers
-            again and DeepSpeed's module hooks gather their parameters as in the forward.
-        """
-        module = self.lightning_module
-        if not any(is_checkpointed(m) for m in module.modules()):
-            checkpoint_activations(module, self.activation_checkpointing)
+        """Lightning's, layers checkpointed first (torch's checkpointing: DeepSpeed's needs Megatron's mpu)."""
+        if not any(ac.is_checkpointed(m) for m in self.lightning_module.modules()):
+            checkpoint_activations(self.lightning_module, self.activation_checkpointing)
         super().setup(trainer)
-
-    def startup_rows(self, layout: Any) -> dict[str, str]:
-        """Strategy rows of the start-up table (see :mod:`lightning_parallel.report`)."""
-        return {"activation checkpointing": describe_choice(self.activation_checkpointing)}
 
     @override
     def setup_distributed(self) -> None:

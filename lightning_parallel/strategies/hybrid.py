@@ -89,6 +89,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         data_replicate_size, data_shard_size: HSDP under ``zero_stage`` 2/3: shard within groups of
             ``data_shard_size`` data ranks, all-reduce across ``data_replicate_size`` groups
             (see :mod:`lightning_parallel.parallel.data`).
+        comm_hook: ``"none"`` or ``"bf16"`` (gradients reduced in bf16: ``reduce_dtype="bfloat16"``);
+            DDP's ``fp16``/``powersgd`` hooks have no FSDP2 form and are refused with the reason.
 
     ``ckpt_path`` may name the suite's folder, a Lightning single-file checkpoint (single
     device, DDP, FSDP full state), a Lightning DCP folder (``ModelParallelStrategy``,
@@ -124,6 +126,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         reduce_dtype: str = "float32",
         data_replicate_size: Optional[int] = None,
         data_shard_size: Optional[int] = None,
+        comm_hook: str = "none",
     ) -> None:
         if not isinstance(load_optimizer_state, bool):
             raise ValueError(
@@ -135,7 +138,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             data_parallel_size, pipeline_parallel_size, tensor_parallel_size, zero_stage, microbatches, schedule,
             partition, stages_per_rank, sequence_parallel, loss_parallel, plan, save_distributed_checkpoint, timeout,
             activation_checkpointing=activation_checkpointing, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-            data_replicate_size=data_replicate_size, data_shard_size=data_shard_size,
+            data_replicate_size=data_replicate_size, data_shard_size=data_shard_size, comm_hook=comm_hook,
         )
         super().__init__(
             data_parallel_size=data_parallel_size,

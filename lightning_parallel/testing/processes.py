@@ -34,7 +34,7 @@ from lightning_parallel.launch import free_port
 # Not deepspeed: its import asks torch.cuda for the device count, and a process that has touched
 # CUDA cannot hand it on to forked children (checked: these four never touch torch.cuda).
 _PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_parallel")
-_START_METHOD = "forkserver"  # "spawn" works too (the launch benchmark compares them), only slower
+_START_METHOD = "forkserver"  # "spawn" works too, re-importing everything in every rank (seconds per rank)
 
 
 class DistributedRunError(RuntimeError):
@@ -131,7 +131,7 @@ def run_processes(
 def _start_ranks(
     fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, env: Optional[dict[str, str]]
 ) -> tuple[list[Any], mp.Queue]:
-    """Spawn the ranks on a free port; each reports ``(rank, ok, pickled value or traceback)`` on the queue."""
+    """Start the ranks on a free port; each reports ``(rank, ok, pickled value or traceback)`` on the queue."""
     ctx = mp.get_context(_START_METHOD)  # never plain "fork": torch may have started threads in this process
     if _START_METHOD == "forkserver":
         ctx.set_forkserver_preload(list(_PRELOAD))  # takes effect when the server starts (the first launch)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -23,8 +24,9 @@ import torch
 
 from lightning_parallel import checkpoints
 from lightning_parallel.checkpoints import convert
-from lightning_parallel.testing import LossHistory, max_abs_difference, run_processes
-from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
+from lightning_parallel.testing import max_abs_difference, run_processes
+from lightning_parallel.testing.fit import fit_regression_epochs
+from lightning_parallel.testing.models import ResidualMLP
 
 # The converted folder is read on this process without a process group, as intended; DCP warns about it.
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -43,17 +45,8 @@ def _name(stage: int, optimizer: str) -> str:
     return f"zero{stage}_{optimizer}"
 
 
-def _fit(world_size: int, strategy, epochs: int, optimizer: str, dp: int, callbacks=(), ckpt_path=None, seed=0):
-    pl.seed_everything(0)
-    history = LossHistory()
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=epochs,
-                         limit_train_batches=BATCHES, limit_val_batches=0, logger=False,
-                         enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False, callbacks=[history, *callbacks])
-    data = FixedOrderData(regression_dataset(BATCHES * GLOBAL_BATCH, 32), batch_size=GLOBAL_BATCH // dp)
-    # seed=1 on resume: weights that do not come from the checkpoint would show up as a loss gap.
-    trainer.fit(ResidualMLP(optimizer=optimizer, seed=seed), datamodule=data, ckpt_path=ckpt_path)
-    return history.losses, trainer
+# Resumes pass seed=1: weights that do not come from the checkpoint would show up as a loss gap.
+_fit = partial(fit_regression_epochs, batches=BATCHES, global_batch=GLOBAL_BATCH)
 
 
 def _live_optimizer_state(trainer: pl.Trainer, keys: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
@@ -77,10 +70,11 @@ def _deepspeed_runs(rank: int, world_size: int, root: str) -> dict:
 
     out = {}
     for stage, optimizer in CASES:
-        full, _ = _fit(world_size, DeepSpeedDataParallelStrategy(stage=stage), 2, optimizer, world_size)
+        full, _ = _fit(world_size, DeepSpeedDataParallelStrategy(stage=stage), 2, optimizer=optimizer)
         saver = ModelCheckpoint(dirpath=root, filename=_name(stage, optimizer), save_top_k=-1, every_n_epochs=1,
                                 save_on_train_epoch_end=True)
-        first, trainer = _fit(world_size, DeepSpeedDataParallelStrategy(stage=stage), 1, optimizer, world_size, [saver])
+        first, trainer = _fit(world_size, DeepSpeedDataParallelStrategy(stage=stage), 1, optimizer=optimizer,
+                              callbacks=[saver])
         live = _live_optimizer_state(trainer, STATE_KEYS[optimizer])
         out[(stage, optimizer)] = {"full": full, "first": first, "live": live}
     return out
@@ -104,14 +98,14 @@ def trained(tmp_path_factory):
 def _resume_single(rank: int, world_size: int, root: str, names: list[tuple[str, str]]) -> dict[str, list[float]]:
     from lightning_parallel.strategies import HybridParallelStrategy
 
-    return {folder: _fit(1, HybridParallelStrategy(), 2, optimizer, 1, ckpt_path=str(Path(root) / folder), seed=1)[0]
+    return {folder: _fit(1, HybridParallelStrategy(), 2, optimizer=optimizer, ckpt_path=str(Path(root) / folder), seed=1)[0]
             for folder, optimizer in names}
 
 
 def _resume_pipeline(rank: int, world_size: int, root: str, names: list[tuple[str, str]]) -> dict[str, list[float]]:
     from lightning_parallel.strategies.presets import PipelineParallelStrategy
 
-    return {folder: _fit(world_size, PipelineParallelStrategy(pipeline_parallel_size=2), 2, optimizer, 1,
+    return {folder: _fit(world_size, PipelineParallelStrategy(pipeline_parallel_size=2), 2, optimizer=optimizer,
                          ckpt_path=str(Path(root) / folder), seed=1)[0]
             for folder, optimizer in names}
 

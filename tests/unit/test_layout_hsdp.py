@@ -72,3 +72,26 @@ def test_hsdp_sizes_with_replicated_data_parallelism_are_refused():
     with pytest.raises(ValueError, match=r"data_shard_size=2 splits the data axis for HSDP.*Fix: zero_stage=2 or 3"):
         ParallelOptions(data_parallel_size=4, data_shard_size=2)
     assert ParallelOptions(zero_stage=2, data_shard_size=2).data_shard_size == 2
+
+
+@pytest.mark.parametrize(
+    ("hook", "message"),
+    [("powersgd", r"PowerSGD needs DDP's reducer.*FSDP2.*no communication hooks"), ("fp16", "overflow without loss scaling"),
+     ("int8", "Unknown comm_hook")],
+)
+def test_comm_hooks_without_an_fsdp2_form_are_refused_with_the_reason(hook, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelOptions(comm_hook=hook)
+
+
+def test_the_bf16_comm_hook_is_fsdp2s_bf16_reduction():
+    assert ParallelOptions(comm_hook="bf16").reduce_dtype == "bfloat16"
+    assert ParallelOptions().reduce_dtype == "float32"
+
+
+def test_the_startup_table_shows_shard_and_replica_groups_under_hsdp():
+    from lightning_parallel.report import rank_map_rows
+
+    rows = rank_map_rows(ParallelLayout.resolve(8, pipeline_parallel=2, data_shard=2))
+    assert rows["data shard groups"].startswith("[0, 2] [1, 3]") and rows["data replica groups"].startswith("[0, 4]")
+    assert "data shard groups" not in rank_map_rows(ParallelLayout.resolve(8, pipeline_parallel=2))

@@ -6,8 +6,8 @@ same save-and-resume on one process (Lightning's single-device strategy): every 
 its last 4 losses within 1e-5 and end with the same optimizer step count. The resumed module
 is seeded differently, so weights that did not come from the checkpoint would show.
 
-Process starts dominate the cost on a 2-core machine: one spawn per world size makes the
-sources, one per world size resumes them all (see the module-scoped fixtures).
+One launch per world size makes the sources, one per world size resumes them all (see the
+module-scoped fixtures).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from lightning_parallel.testing import max_abs_difference, run_processes
 from lightning_parallel.testing.fit import fit_regression_epochs, optimizer_step_counts
 from lightning_parallel.testing.models import ResidualMLP
 
-# The module's spawns take ~7 minutes on a 2-core machine shared with other jobs (load ~19): more than the
+# The module's fits took ~7 minutes on a 2-core machine shared with other jobs (load ~19): more than the
 # default per-test limit, which counts the module fixtures against the first test.
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(1500)]
 

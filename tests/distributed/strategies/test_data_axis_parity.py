@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow
 
 CLIP = {"gradient_clip_val": 0.5}
 ACCUMULATE = {"gradient_clip_val": 0.5, "accumulate_grad_batches": 2}
+BF16_BOUND = 2e-3  # |loss - fp32 one process| over 10 AdamW steps with gradients all-reduced in bf16 (2.2e-4 seen)
 
 
 class NeverReducing(Hybrid):
@@ -44,12 +45,20 @@ def _case(strategy, data_parallel, trainer_kwargs):
 def test_replicated_data_parallel_on_two_processes_matches_one_process():
     cases = {"dp2": _case(Hybrid, 2, CLIP), "dp2/accumulate2": _case(Hybrid, 2, ACCUMULATE)}
     control = {"dp2/never-reducing": _case(NeverReducing, 2, CLIP)}
-    per_rank = run_processes(fit_cases, 2, {**cases, **control}, timeout=600)
-    reference = reference_losses({**cases, **control})
-    worst = assert_parity([{k: r[k] for k in cases} for r in per_rank], {k: reference[k] for k in cases})
-    print("max |diff| per case:", worst)
+    compressed = {"dp2/comm_hook=bf16": _case(partial(Hybrid, comm_hook="bf16"), 2, CLIP)}
+    per_rank = run_processes(fit_cases, 2, {**cases, **control, **compressed}, timeout=600)
+    reference = reference_losses({**cases, **control, **compressed})
+
+    def only(names):
+        return [{k: r[k] for k in names} for r in per_rank], {k: reference[k] for k in names}
+
+    print("max |diff| per case:", assert_parity(*only(cases)))
     with pytest.raises(AssertionError, match="never-reducing"):
-        assert_parity([{k: r[k] for k in control} for r in per_rank], {k: reference[k] for k in control})
+        assert_parity(*only(control))
+    # bf16 gradient reduction: off by bf16 rounding (8 bits of mantissa), within the documented bound, not exact.
+    bf16 = assert_parity(*only(compressed), tol=BF16_BOUND)["dp2/comm_hook=bf16"]
+    print(f"comm_hook=bf16: {bf16:.2e}")
+    assert bf16 > 1e-6
 
 
 def test_replicated_with_pipeline_or_tensor_and_hsdp_on_four_processes_match_one_process():

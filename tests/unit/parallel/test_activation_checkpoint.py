@@ -13,7 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallel import activation_checkpoint
-from lightning_parallel.parallel.activation_checkpoint import apply_activation_checkpointing, is_checkpointed
+from lightning_parallel.parallel.activation_checkpoint import (
+    apply_activation_checkpointing,
+    describe_choice,
+    is_checkpointed,
+)
 from lightning_parallel.parallel.compose import check_module, checkpoint_activations, parallelize
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.testing.models import ResidualMLP
@@ -123,10 +127,14 @@ def test_strategies_take_the_option_and_show_it_at_start_up():
     strategy = HybridParallelStrategy(data_parallel_size=1, activation_checkpointing="selective")
     assert strategy.options.activation_checkpointing == "selective"
     assert strategy.startup_rows(ParallelLayout(1, 1, 1, 1))["activation checkpointing"].startswith("selective")
-    deepspeed = DeepSpeedDataParallelStrategy(stage=3, activation_checkpointing=["blocks.*"])
-    assert deepspeed.startup_rows(None) == {"activation checkpointing": "blocks.* (full recomputation of these submodules)"}
+    assert DeepSpeedDataParallelStrategy(stage=3, activation_checkpointing=["blocks.*"]).activation_checkpointing == (
+        "blocks.*",)
+    assert describe_choice(("blocks.*",)) == "blocks.* (full recomputation of these submodules)"
     with pytest.raises(ValueError, match="not a mode"):
         DeepSpeedDataParallelStrategy(activation_checkpointing="fulll")
+    with pytest.raises(ValueError, match="not exact under DeepSpeed ZeRO-3.*'full'"):
+        DeepSpeedDataParallelStrategy(stage=3, activation_checkpointing="selective")
+    DeepSpeedDataParallelStrategy(stage=2, activation_checkpointing="selective")
 
 
 def test_fsdp2_shards_the_checkpointed_layers_and_the_state_dict_keeps_its_names(tmp_path):

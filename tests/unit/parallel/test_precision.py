@@ -116,3 +116,16 @@ def test_replicated_grad_sum_reduces_bf16_gradients_in_fp32(monkeypatch):
     norm(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
     assert seen == [torch.float32, torch.float32]
     assert norm.weight.grad.dtype == torch.bfloat16
+
+
+def test_the_hybrid_strategy_refuses_before_any_process_group():
+    import torch.distributed as dist
+
+    from lightning_parallel.strategies import HybridParallelStrategy
+    from lightning_parallel.testing.fit import quiet_trainer
+    from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
+
+    trainer = quiet_trainer(1, HybridParallelStrategy(data_parallel_size=1), 1, [], precision="16-true")
+    with pytest.raises(ValueError, match="precision='16-true' is not supported"):
+        trainer.fit(ResidualMLP(), datamodule=FixedOrderData(regression_dataset(16, 32), batch_size=8))
+    assert not dist.is_initialized()

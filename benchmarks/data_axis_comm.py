@@ -1,0 +1,180 @@
+"""Data-axis communication per layout on 4 processes: bytes per mesh axis and exposed communication time.
+
+``python -m benchmarks.data_axis_comm [--steps 20] [--width 256] [--depth 8]`` trains the
+residual MLP with raw loops over :func:`~lightning_parallel.parallel.compose.parallelize` and
+compares, on the same ranks and batches:
+
+* ``dp4 overlap``: ``zero_stage=0`` on FSDP2 -- each layer's gradients all-reduced during backward;
+* ``dp4 after backward``: the same replicas, gradients all-reduced in one flat bucket once
+  backward has returned (the hand-written reduction this suite used before; overlap off);
+* ``dp4 zero2``: FSDP2 sharding over the whole data axis;
+* ``hsdp 2x2 zero2``: FSDP2 sharding within pairs, all-reduce across them.
+
+Measured per layout, per rank, then the median over ranks:
+
+* bytes per step on each mesh axis (``data_parallel``, ``data_shard``, ``data_replicate``): every
+  ``torch.distributed`` collective of one step is logged with its group and its input's bytes
+  (the payload on the calling rank, as :mod:`benchmarks.comm` counts; not wire bytes);
+* exposed communication: median step time minus the median time of the same step's compute
+  with no communication (the unwrapped module on this rank's batch), measured alternately
+  (A B A B) so machine noise hits both.
+
+On CPU with gloo the collectives run on the same cores as the compute, so "overlap" can hide
+little here; the bytes are exact anywhere, the times are this machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from collections import Counter
+from contextlib import contextmanager
+from datetime import date
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+# torch.distributed function -> (position, keyword) of the input tensor whose bytes are counted. FSDP2 in
+# torch 2.13 calls the *_single forms (benchmarks/comm.py's list predates them).
+COUNTED = {"all_reduce": (0, "tensor"), "all_gather_single": (1, "input_tensor"), "reduce_scatter_single": (1, "input"),
+           "all_gather_into_tensor": (1, "input_tensor"), "reduce_scatter_tensor": (1, "input")}
+LAYOUTS = {
+    "dp4 overlap": {"zero_stage": 0},
+    "dp4 after backward": {"zero_stage": 0, "after_backward": True},
+    "dp4 zero2": {"zero_stage": 2},
+    "hsdp 2x2 zero2": {"zero_stage": 2, "data_replicate": 2},
+}
+
+
+@contextmanager
+def bytes_per_axis(axes: dict[str, tuple[int, ...]], out: Counter) -> Iterator[None]:
+    """Add each counted collective's input bytes to ``out[axis]`` (the axis whose ranks form its group)."""
+    saved = {name: getattr(dist, name) for name in COUNTED}
+
+    def counted(name: str, original: Callable) -> Callable:
+        position, keyword = COUNTED[name]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            source = args[position] if len(args) > position else kwargs[keyword]
+            group = kwargs.get("group")
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+            axis = "group of 1 (a copy)" if len(ranks) == 1 else next((a for a, r in axes.items() if r == ranks), str(ranks))
+            out[axis] += source.numel() * source.element_size()
+            return original(*args, **kwargs)
+        return call
+
+    for name, original in saved.items():
+        setattr(dist, name, counted(name, original))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(dist, name, original)
+
+
+def _flat_all_reduce(module: torch.nn.Module, group: Any) -> None:
+    """Overlap off: one all-reduce of every gradient, flattened, after backward."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _layout_run(rank: int, spec: dict, width: int, depth: int, steps: int) -> dict:
+    from lightning_parallel import _compat
+    from lightning_parallel.layout import DATA_AXES, DATA_PARALLEL, DATA_REPLICATE, DATA_SHARD, ParallelLayout
+    from lightning_parallel.parallel.compose import parallelize
+    from lightning_parallel.parallel.data import data_mesh_shape
+    from lightning_parallel.parallel.options import ParallelOptions
+    from lightning_parallel.testing.models import ResidualMLP
+
+    world = dist.get_world_size()
+    layout = ParallelLayout(world, world, 1, 1, data_replicate=spec.get("data_replicate", 1))
+    mesh = layout.build_mesh("cpu")
+    torch.manual_seed(0)
+    plain = ResidualMLP(width=width, depth=depth)
+    module = copy.deepcopy(plain)
+    if spec.get("after_backward"):
+        group = mesh[DATA_PARALLEL].get_group()
+    else:
+        shape = data_mesh_shape(layout, spec["zero_stage"])
+        data_mesh = _compat.unflatten_mesh_dim(mesh, DATA_PARALLEL, shape, DATA_AXES) if shape else None
+        parallelize(module, layout, mesh, ParallelOptions(data_parallel_size=world, zero_stage=spec["zero_stage"]),
+                    rank, data_mesh=data_mesh)
+    axes = {DATA_PARALLEL: tuple(layout.group_ranks(DATA_PARALLEL, rank))}
+    if layout.hsdp_enabled:
+        axes.update({a: tuple(layout.group_ranks(a, rank)) for a in (DATA_SHARD, DATA_REPLICATE)})
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (module, plain)]
+    x, y = torch.randn(8, width), torch.randn(8, width)
+
+    def step(model: torch.nn.Module, optimizer: Any, communicate: bool) -> float:
+        start = time.perf_counter()
+        model.pipeline_loss(model(x), y).backward()
+        if communicate and spec.get("after_backward"):
+            _flat_all_reduce(model, group)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    counted: Counter = Counter()
+    with bytes_per_axis(axes, counted):
+        step(module, optimizers[0], True)
+    with_comm, compute = [], []
+    for _ in range(steps):  # A B A B
+        dist.barrier()
+        with_comm.append(step(module, optimizers[0], True))
+        dist.barrier()
+        compute.append(step(plain, optimizers[1], False))
+    return {"bytes": dict(counted), "step_ms": 1e3 * statistics.median(with_comm[2:]),
+            "compute_ms": 1e3 * statistics.median(compute[2:])}
+
+
+def _worker(rank: int, world_size: int, width: int, depth: int, steps: int) -> dict:
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.set_num_threads(1)
+    return {name: _layout_run(rank, spec, width, depth, steps) for name, spec in LAYOUTS.items()}
+
+
+def summarise(per_rank: list[dict]) -> list[dict]:
+    """One row per layout: median over ranks of bytes per axis, step, compute and exposed communication."""
+    rows = []
+    for name in LAYOUTS:
+        runs = [r[name] for r in per_rank]
+        axes = sorted({a for run in runs for a in run["bytes"]})
+        step = statistics.median(r["step_ms"] for r in runs)
+        compute = statistics.median(r["compute_ms"] for r in runs)
+        rows.append({"layout": name, **{f"MB/step {a}": statistics.median(r["bytes"].get(a, 0) for r in runs) / 2**20
+                                        for a in axes},
+                     "step ms": step, "compute ms": compute, "exposed comm ms": step - compute})
+    return rows
+
+
+def main() -> None:
+    from lightning_parallel.testing import run_processes
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results") / str(date.today()))
+    args = parser.parse_args()
+    per_rank = run_processes(_worker, 4, args.width, args.depth, args.steps, timeout=1800)
+    rows = summarise(per_rank)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "data_axis_comm.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows},
+                                                             indent=2))
+    for row in rows:
+        print(" | ".join(f"{k}: {v:.2f}" if isinstance(v, float) else f"{k}: {v}" for k, v in row.items()))
+
+
+if __name__ == "__main__":
+    main()
