@@ -18,7 +18,8 @@ recomputed activations, gradients, transient buffers, FSDP2's gathered parameter
 not the memory held before the step (weights, optimizer state). A storage is counted until
 it is freed, however it is referenced (views, autograd's saved tensors, the checkpoint's
 saved inputs), which hooks on saved tensors alone would miss: checkpointing replaces them
-inside each recomputed region. Step time: median over the timed steps of the slowest rank.
+inside each recomputed region. Step time: the slowest rank's, median over the timed steps; the
+time ratio of a mode is the median over rounds of its step over the ``none`` step of the same round.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ HOW = ("How: the GPT recipe scaled so activations dominate (seq 256, 8 blocks, d
        "by step. Memory: peak bytes of the tensor storages a training step (forward + backward) creates and still holds "
        "(a dispatch mode follows every storage until it is freed; weights and optimizer state held before the step do "
        "not count), per rank. Time: median step of the slowest rank. Cut = peak of `none` / peak of the mode (max over "
-       "ranks); time ratio = mode / `none`.")
+       "ranks); time ratio = median over rounds of mode step / `none` step of the same round.")
 # name -> ((data, pipeline, tensor) sizes, zero_stage)
 LAYOUTS = {"pp2": ((1, 2, 1), 0), "tp2": ((1, 1, 2), 0), "dp2xpp2_zero3": ((2, 2, 1), 3)}
 MODEL = {"vocab_size": 256, "seq_len": 256, "d_model": 64, "n_layer": 8, "n_head": 4, "dropout": 0.1}
@@ -144,7 +145,7 @@ def _rank(rank: int, world_size: int, sizes: tuple, zero_stage: int, steps: int)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank ends
                 times[mode].append(float(elapsed)) if index >= 2 else None
             optimizer.step()
-    return {"peak_bytes": peaks, "step_s": {m: statistics.median(t) for m, t in times.items()}}
+    return {"peak_bytes": peaks, "step_s": times}
 
 
 def measure(layouts: list[str], steps: int, timeout: float = 1800) -> list[dict]:
@@ -157,12 +158,15 @@ def measure(layouts: list[str], steps: int, timeout: float = 1800) -> list[dict]
         world = sizes[0] * sizes[1] * sizes[2]
         per_rank = run_processes(_rank, world, sizes, zero_stage, steps, timeout=timeout)
         row: dict[str, Any] = {"layout": name, "world": world}
+        times = per_rank[0]["step_s"]  # the slowest rank's, the same on every rank
         for mode in MODES:
             row[mode] = {"peak_bytes_per_rank": [r["peak_bytes"][mode] for r in per_rank],
-                         "step_s": per_rank[0]["step_s"][mode]}
+                         "step_s": statistics.median(times[mode]), "steps_s": times[mode]}
         for mode in ("selective", "full"):
             row[f"{mode}_memory_cut"] = max(row["none"]["peak_bytes_per_rank"]) / max(row[mode]["peak_bytes_per_rank"])
-            row[f"{mode}_time_ratio"] = row[mode]["step_s"] / row["none"]["step_s"]
+            # Median of the ratios within a round (none, selective, full back to back): load that changes
+            # between rounds cancels.
+            row[f"{mode}_time_ratio"] = statistics.median(a / b for a, b in zip(times[mode], times["none"]))
         rows.append(row)
         print(f"[activation_memory] {name}: " + render_rows([row]).splitlines()[-1], flush=True)
     return rows

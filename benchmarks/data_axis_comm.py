@@ -15,9 +15,11 @@ Measured per layout, per rank, then the median over ranks:
 * bytes per step on each mesh axis (``data_parallel``, ``data_shard``, ``data_replicate``): every
   ``torch.distributed`` collective of one step is logged with its group and its input's bytes
   (the payload on the calling rank, as :mod:`benchmarks.comm` counts; not wire bytes);
-* exposed communication: median step time minus the median time of the same step's compute
-  with no communication (the unwrapped module on this rank's batch), measured alternately
-  (A B A B) so machine noise hits both.
+* exposed communication: median forward + backward (+ the reduction after it, when overlap is
+  off) minus the median of the same forward + backward with no communication (the unwrapped
+  module on this rank's batch), measured alternately (A B A B) so machine noise hits both;
+  the optimizer step is timed apart (FSDP2's parameters are DTensors: the step pays DTensor
+  dispatch, which is no communication).
 
 On CPU with gloo the collectives run on the same cores as the compute, so "overlap" can hide
 little here; the bytes are exact anywhere, the times are this machine's.
@@ -116,14 +118,16 @@ def _layout_run(rank: int, spec: dict, width: int, depth: int, steps: int) -> di
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (module, plain)]
     x, y = torch.randn(8, width), torch.randn(8, width)
 
-    def step(model: torch.nn.Module, optimizer: Any, communicate: bool) -> float:
+    def step(model: torch.nn.Module, optimizer: Any, communicate: bool) -> tuple[float, float]:
+        """(forward + backward + gradient reduction, optimizer step) seconds."""
         start = time.perf_counter()
         model.pipeline_loss(model(x), y).backward()
         if communicate and spec.get("after_backward"):
             _flat_all_reduce(model, group)
+        middle = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
+        return middle - start, time.perf_counter() - middle
 
     counted: Counter = Counter()
     with bytes_per_axis(axes, counted):
@@ -134,8 +138,11 @@ def _layout_run(rank: int, spec: dict, width: int, depth: int, steps: int) -> di
         with_comm.append(step(module, optimizers[0], True))
         dist.barrier()
         compute.append(step(plain, optimizers[1], False))
-    return {"bytes": dict(counted), "step_ms": 1e3 * statistics.median(with_comm[2:]),
-            "compute_ms": 1e3 * statistics.median(compute[2:])}
+    def median_ms(times: list, part: int) -> float:
+        return 1e3 * statistics.median(t[part] for t in times[2:])
+
+    return {"bytes": dict(counted), "step_ms": median_ms(with_comm, 0), "compute_ms": median_ms(compute, 0),
+            "optimizer_ms": median_ms(with_comm, 1), "plain_optimizer_ms": median_ms(compute, 1)}
 
 
 def _worker(rank: int, world_size: int, width: int, depth: int, steps: int) -> dict:
@@ -150,11 +157,12 @@ def summarise(per_rank: list[dict]) -> list[dict]:
     for name in LAYOUTS:
         runs = [r[name] for r in per_rank]
         axes = sorted({a for run in runs for a in run["bytes"]})
-        step = statistics.median(r["step_ms"] for r in runs)
-        compute = statistics.median(r["compute_ms"] for r in runs)
+        med = {key: statistics.median(r[key] for r in runs) for key in runs[0] if key != "bytes"}
         rows.append({"layout": name, **{f"MB/step {a}": statistics.median(r["bytes"].get(a, 0) for r in runs) / 2**20
                                         for a in axes},
-                     "step ms": step, "compute ms": compute, "exposed comm ms": step - compute})
+                     "fwd+bwd+reduce ms": med["step_ms"], "fwd+bwd alone ms": med["compute_ms"],
+                     "exposed comm ms": med["step_ms"] - med["compute_ms"],
+                     "optimizer ms": med["optimizer_ms"], "plain optimizer ms": med["plain_optimizer_ms"]})
     return rows
 
 

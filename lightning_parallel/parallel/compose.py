@@ -141,6 +141,11 @@ def checkpoint_activations(
         split: the pipeline split (None without pipelining).
     """
     chosen = activation_checkpoint.targets(module, choice, _checkpoint_layers(module, split) if choice != "none" else [])
+    found = find_hf_model(module)
+    if chosen and found is not None and getattr(found[1].config, "use_cache", False):
+        # As Hugging Face's own gradient checkpointing does: a KV cache built during training would be
+        # appended to again by the recomputation (selective checkpointing then fails in backward).
+        found[1].config.use_cache = False
     return activation_checkpoint.apply_activation_checkpointing(chosen, selective=choice == "selective")
 
 
@@ -311,7 +316,7 @@ def _wrap_data_axis(module: nn.Module, layout: ParallelLayout, options: Parallel
     # (4) zero_stage=0 keeps its parameters in their own dtype (no FSDP2 cast); reductions are fp32.
     policy = fsdp_policy(precision, options, layout)
     roots = stages or _data_axis_roots(module)
-    shard_data_axis(_data_axis_layers(module, split), roots, dp_mesh, options.zero_stage, policy)
+    shard_data_axis(_data_axis_layers(module, split), roots, dp_mesh, options.zero_stage, policy, options.bucket_bytes)
 
 
 def parallelize(

@@ -92,8 +92,9 @@ def shard_data_axis(
     dp_mesh: DeviceMesh,
     zero_stage: int,
     mp_policy: Optional[Any] = None,
+    bucket_bytes: int = 0,
 ) -> None:
-    """Apply FSDP2 ``fully_shard`` per layer, then to each root, over the data mesh.
+    """Apply FSDP2 ``fully_shard`` per layer (or bucket of layers), then to each root, over the data mesh.
 
     Args:
         layers: the model's pipeline layers (each becomes its own FSDP unit: parameters are
@@ -107,16 +108,31 @@ def shard_data_axis(
         zero_stage: 0 (replicated) or 2 (parameters kept gathered after forward) or 3
             (parameters resharded after forward).
         mp_policy: FSDP2's ``MixedPrecisionPolicy`` (None: FSDP2's default, full precision).
+        bucket_bytes: consecutive layers join one FSDP2 unit (one collective) until their
+            parameters reach this many bytes, as DDP fills its buckets; 0: one unit per layer.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs = {"mesh": dp_mesh, "reshard_after_forward": zero_stage == 3,
               "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy()}
-    for layer in layers:
-        if has_parameters(layer):
-            fully_shard(layer, **kwargs)
+    for bucket in layer_buckets([layer for layer in layers if has_parameters(layer)], bucket_bytes):
+        # A list is one unit: its modules may run apart in the iteration (torch >= 2.13).
+        fully_shard(bucket if len(bucket) > 1 else bucket[0], **kwargs)
     for root in roots:
         fully_shard(root, **kwargs)
+
+
+def layer_buckets(layers: Sequence[nn.Module], bucket_bytes: int) -> list[list[nn.Module]]:
+    """Consecutive ``layers`` grouped until each group's parameters reach ``bucket_bytes`` (0: one per group)."""
+    buckets: list[list[nn.Module]] = []
+    size = bucket_bytes  # start a new bucket at the first layer
+    for layer in layers:
+        if size >= bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(layer)
+        size += sum(p.numel() * p.element_size() for p in layer.parameters())
+    return buckets
 
 
 @contextmanager

@@ -100,6 +100,9 @@ class ParallelOptions:
         comm_hook: DDP's gradient compression by its Lightning name: ``"none"`` or ``"bf16"``
             (FSDP2's form of it: ``reduce_dtype="bfloat16"``); ``"fp16"`` and ``"powersgd"`` have
             no FSDP2 form and are refused (see :mod:`lightning_parallel.parallel.data`).
+        bucket_size_mb: ``zero_stage=0``: consecutive layers share one gradient all-reduce until
+            their parameters reach this size (DDP's ``bucket_cap_mb``; default 25, 0: one per
+            layer). ZeRO 2/3 keep one FSDP2 unit per layer (the unit is what is gathered).
 
     Raises:
         ValueError: any option that cannot work, naming the fix.
@@ -124,6 +127,7 @@ class ParallelOptions:
     data_replicate_size: Optional[int] = None
     data_shard_size: Optional[int] = None
     comm_hook: str = "none"
+    bucket_size_mb: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
@@ -151,6 +155,7 @@ class ParallelOptions:
         self._apply_comm_hook()
         check_dtype_option("reduce_dtype", self.reduce_dtype, allow_none=False)
         self._check_data_split()
+        self._check_bucket()
 
     def _apply_comm_hook(self) -> None:
         refused = {
@@ -167,6 +172,26 @@ class ParallelOptions:
             raise ValueError(f"Unknown comm_hook={self.comm_hook!r}: use 'none' or 'bf16' (gradients reduced in bf16).")
         if self.comm_hook == "bf16":
             object.__setattr__(self, "reduce_dtype", "bfloat16")  # FSDP2's form of DDP's bf16_compress_hook
+
+    def _check_bucket(self) -> None:
+        size = self.bucket_size_mb
+        if size is None:
+            return
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or size < 0:
+            raise ValueError(f"bucket_size_mb={size!r} must be a number >= 0 (megabytes; 0: one all-reduce per layer).")
+        if self.zero_stage:
+            raise ValueError(
+                f"bucket_size_mb={size} groups layers into one all-reduce under zero_stage=0; with zero_stage="
+                f"{self.zero_stage} FSDP2 gathers and reduce-scatters one layer at a time (a bigger unit holds more "
+                "gathered parameters). Drop bucket_size_mb, or use zero_stage=0."
+            )
+
+    @property
+    def bucket_bytes(self) -> int:
+        """Bytes of one data-axis gradient bucket (DDP's default 25 MB under ``zero_stage=0``; ZeRO 2/3: per layer)."""
+        if self.zero_stage:
+            return 0
+        return int((25 if self.bucket_size_mb is None else self.bucket_size_mb) * 2**20)
 
     def _check_data_split(self) -> None:
         split = {n: getattr(self, n) for n in ("data_replicate_size", "data_shard_size") if getattr(self, n) is not None}
@@ -190,4 +215,4 @@ class ParallelOptions:
         """What decides how a module is split and sharded (a parallelised module cannot change them)."""
         return (self.schedule, self.stages_per_rank, self.partition, self.zero_stage, self.sequence_parallel,
                 self.loss_parallel, repr(self.plan), self.activation_checkpointing, self.param_dtype, self.reduce_dtype,
-                self.data_replicate_size, self.data_shard_size)
+                self.data_replicate_size, self.data_shard_size, self.bucket_size_mb)

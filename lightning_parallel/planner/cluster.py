@@ -44,6 +44,8 @@ class Cluster:
         efficiency: the share of the peak dense layers reach (``compute: peak``).
         compute_units: processes that run at full speed at once (cores of a CPU machine); None: every device.
         memory_bandwidth: bytes per second of device memory (the optimizer step is bound by it).
+        oversubscribed_latency: seconds per collective step when more processes than ``compute_units`` run
+            (every rank of a collective must be scheduled onto a core first).
     """
 
     name: str
@@ -56,6 +58,7 @@ class Cluster:
     efficiency: Optional[float] = None
     compute_units: Optional[int] = None
     memory_bandwidth: float = 100 * _GB
+    oversubscribed_latency: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.compute not in ("measured", "peak"):
@@ -65,9 +68,17 @@ class Cluster:
         if self.devices_per_node < 1 or self.memory_per_device <= 0:
             raise ValueError(f"cluster {self.name!r}: devices_per_node and memory_per_device_gb must be positive.")
 
-    def link(self, group_span: int) -> Link:
-        """The link a group of ``group_span`` consecutive ranks talks over (ranks are placed node by node)."""
-        return self.intra_node if group_span <= self.devices_per_node else self.inter_node
+    def link(self, group_span: int, world_size: int = 1) -> Link:
+        """The link a group of ``group_span`` consecutive ranks talks over (ranks are placed node by node).
+
+        Args:
+            group_span: ranks from the group's first to its last.
+            world_size: processes in the run (more than ``compute_units`` raises the latency).
+        """
+        link = self.intra_node if group_span <= self.devices_per_node else self.inter_node
+        if self.compute_units and self.oversubscribed_latency and world_size > self.compute_units:
+            return Link(link.bandwidth, link.gather_bandwidth, self.oversubscribed_latency)
+        return link
 
     def compute_slowdown(self, world_size: int) -> float:
         """How much slower each rank computes when ``world_size`` processes share ``compute_units``."""
@@ -106,6 +117,7 @@ def cluster_from_dict(values: Mapping[str, Any]) -> Cluster:
         efficiency=float(values["efficiency"]) if values.get("efficiency") else None,
         compute_units=int(values["compute_units"]) if values.get("compute_units") else None,
         memory_bandwidth=float(values.get("memory_bandwidth_gbs") or 100) * _GB,
+        oversubscribed_latency=float(values["oversubscribed_latency_us"]) * 1e-6 if values.get("oversubscribed_latency_us") else None,
     )
 
 

@@ -16,7 +16,6 @@ against real runs of the hybrid strategy:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 

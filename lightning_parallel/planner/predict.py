@@ -66,7 +66,7 @@ def layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, micro: int,
         totals = [t * cluster.compute_slowdown(world) for t in shape.measured_seconds(micro)]
     else:
         totals = [3 * layer.fwd_flops * micro / (cluster.peak_flops * cluster.efficiency) for layer in shape.layers]
-    link = cluster.link(c.tp)
+    link = cluster.link(c.tp, world)
     out = []
     for layer, total in zip(shape.layers, totals):
         sharded = any(p.tp_dim is not None for p in layer.params)
@@ -74,14 +74,18 @@ def layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, micro: int,
         if sharded and c.tp > 1:
             fwd, bwd = fwd / c.tp, bwd / c.tp
         recompute = fwd if c.checkpointing == "full" else fwd * layer.recompute_fraction if c.checkpointing == "selective" else 0.0
-        tp_comm = all_reduce(link, c.tp, layer.tp_all_reduce_bytes * micro) if layer.tp_all_reduce_bytes else 0.0
+        tp_comm = 0.0
+        if sharded and c.tp > 1:
+            # The volume once each way; every further call its latency.
+            calls = max(0, layer.tp_collectives - 2)
+            tp_comm = all_reduce(link, c.tp, layer.tp_all_reduce_bytes * micro) + calls * 2 * (c.tp - 1) * link.latency / 2
         out.append((fwd + tp_comm, bwd + recompute + tp_comm))
     return out
 
 
 def _data_axis_seconds(c: Candidate, cluster: Cluster, local_bytes: float, full_bytes: float, units: int) -> tuple[float, float]:
     """(per batch, per optimizer step) seconds of the data axis's collectives for one rank's parameters."""
-    link = cluster.link(c.dp * c.pp * c.tp)
+    link = cluster.link(c.dp * c.pp * c.tp, c.dp * c.pp * c.tp)
     if c.dp == 1:
         return 0.0, 0.0
     if c.engine == "deepspeed":
@@ -124,7 +128,7 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate) -> Prediction:
     act = [sum(activation_bytes(shape, c, i, micro) for i in s) for s in stages]
     if c.pp > 1:
         sent = max(shape.layers[s[-1]].output_bytes for s in stages) * micro
-        link = cluster.link(c.pp * c.tp)
+        link = cluster.link(c.pp * c.tp, world)
         sim = _simulate(c.schedule, c.pp, c.stages_per_rank, c.microbatches, tuple(fwd), tuple(bwd), tuple(act),
                         link.latency + sent / link.bandwidth)
         batch_time, peaks, busy, bubble = sim.step_time, sim.peak_in_flight, max(sim.busy), sim.bubble

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from functools import lru_cache
 from typing import Any, Optional
 
@@ -24,8 +25,10 @@ from lightning_parallel.planner.shapes import LayerShape, ModelShape, Param
 _WEIGHT_DIM = {"colwise": 0, "colwise_gather": 0, "embedding_rowwise": 0, "embedding_rowwise_replicated": 0,
                "rowwise": 1, "rowwise_replicated_input": 1, "embedding_colwise": 1}
 _BIAS_SHARDED = {"colwise", "colwise_gather"}
-# Styles whose forward (rowwise: sums partial outputs) or backward (colwise: sums input gradients) all-reduces.
+# Styles whose forward all-reduces (row-parallel: partial outputs), and whose backward does (column-parallel:
+# partial input gradients, one all-reduce per module as DTensor runs them).
 _ALL_REDUCE_STYLES = {"rowwise", "rowwise_replicated_input", "embedding_rowwise", "embedding_rowwise_replicated"}
+_BACKWARD_REDUCE_STYLES = {"colwise", "colwise_gather", "embedding_colwise"}
 # Share of a transformer block's saved activations that tensor parallelism divides (Korthikanti et al. 2022,
 # 24 of 34 s*b*h terms without sequence parallelism); a layer without sharded parameters keeps all of them.
 _TP_SHARDED_SHARE = 24 / 34
@@ -40,16 +43,17 @@ def _style_of(name: str, plan: Mapping[str, Any], prefix: str) -> Optional[str]:
     return found
 
 
-def _layer_params(layer: nn.Module, plan: Mapping[str, Any], prefix: str) -> tuple[tuple[Param, ...], int]:
-    """Parameters of ``layer`` with their tensor-parallel dims; and how many all-reducing styles it holds."""
-    params, reducing = [], 0
+def _layer_params(layer: nn.Module, plan: Mapping[str, Any], prefix: str) -> tuple[tuple[Param, ...], int, int]:
+    """Parameters of ``layer`` with their tensor-parallel dims; forward and backward all-reducing modules."""
+    params, reducing, backward = [], 0, 0
     for module_name, module in layer.named_modules():
         style = _style_of(module_name, plan, prefix) if module_name else _style_of("", plan, prefix.rstrip("."))
         reducing += style in _ALL_REDUCE_STYLES
+        backward += style in _BACKWARD_REDUCE_STYLES
         for pname, p in module.named_parameters(recurse=False):
             dim = _WEIGHT_DIM.get(style) if pname == "weight" else (0 if style in _BIAS_SHARDED else None)
             params.append(Param(tuple(p.shape), dim))
-    return tuple(params), reducing
+    return tuple(params), reducing, backward
 
 
 def _layer_prefixes(module: nn.Module, layers: Sequence[nn.Module]) -> list[str]:
@@ -97,7 +101,7 @@ def profile_module(module: nn.Module, sample: Tensor, name: str = "model", optim
     batch = sample.shape[0]
     shapes, x = [], sample[:1]
     for layer, prefix in zip(layers, _layer_prefixes(module, layers)):
-        params, reducing = _layer_params(layer, plan, prefix)
+        params, reducing, backward = _layer_params(layer, plan, prefix)
         flops = _flops(layer, x)
         saved, out = _saved_bytes(layer, x)
         sharded = _TP_SHARDED_SHARE * saved if any(p.tp_dim is not None for p in params) else 0.0
@@ -105,13 +109,12 @@ def profile_module(module: nn.Module, sample: Tensor, name: str = "model", optim
             name=prefix.rstrip(".") or f"layer{len(shapes)}", params=params, fwd_flops=float(flops),
             activation_sharded=sharded, activation_replicated=saved - sharded,
             output_bytes=float(out.numel() * out.element_size()),
-            tp_all_reduce_bytes=float(reducing * out.numel() * out.element_size()),
+            tp_all_reduce_bytes=float(reducing * out.numel() * out.element_size()), tp_collectives=reducing + backward,
         ))
         x = out
     # The loss after the last layer keeps its log-probabilities (cross-entropy's saved tensor, logits-sized).
     last = shapes[-1]
-    shapes[-1] = LayerShape(last.name, last.params, last.fwd_flops, last.activation_sharded,
-                            last.activation_replicated + last.output_bytes, last.output_bytes, last.tp_all_reduce_bytes)
+    shapes[-1] = replace(last, activation_replicated=last.activation_replicated + last.output_bytes)
     divides = _tp_limits(module)
     timer = _layer_timer(layers, sample)
     return ModelShape(name, tuple(shapes), tp_divides=divides, optimizer_states=optimizer_states,

@@ -43,7 +43,8 @@ class LayerShape:
         activation_replicated: bytes saved for backward per sample every tensor rank keeps whole.
         output_bytes: bytes per sample of the layer's output (a pipeline send; what full checkpointing keeps).
         tp_all_reduce_bytes: bytes per sample all-reduced over the tensor group in forward (the same again in
-            backward): one tensor per row-parallel matrix, one per column-parallel group sharing an input.
+            backward): one output-sized tensor per row-parallel matrix.
+        tp_collectives: tensor-group collective calls per forward + backward (each pays the link's latency).
         recompute_fraction: share of the forward time selective checkpointing spends recomputing.
         selective_saved: share of the activations selective checkpointing still keeps (None: not known, and
             selective checkpointing is not planned for this layer).
@@ -56,6 +57,7 @@ class LayerShape:
     activation_replicated: float
     output_bytes: float
     tp_all_reduce_bytes: float = 0.0
+    tp_collectives: int = 0
     recompute_fraction: float = 0.0
     selective_saved: Optional[float] = None
 
@@ -143,7 +145,7 @@ def _block(i: int, h: int, heads: int, kv_heads: int, ffn: int, s: int, act_byte
     return LayerShape(
         name=f"layers.{i}", params=params, fwd_flops=2 * matmul * s + attention,
         activation_sharded=sharded, activation_replicated=replicated, output_bytes=act_bytes * s * h,
-        tp_all_reduce_bytes=2 * act_bytes * s * h, recompute_fraction=0.05,  # elementwise ops, memory-bound
+        tp_all_reduce_bytes=2 * act_bytes * s * h, tp_collectives=4, recompute_fraction=0.05,  # elementwise ops, memory-bound
         selective_saved=kept / (replicated + sharded),
     )
 

@@ -91,6 +91,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             (see :mod:`lightning_parallel.parallel.data`).
         comm_hook: ``"none"`` or ``"bf16"`` (gradients reduced in bf16: ``reduce_dtype="bfloat16"``);
             DDP's ``fp16``/``powersgd`` hooks have no FSDP2 form and are refused with the reason.
+        bucket_size_mb: ``zero_stage=0`` only: layers per gradient all-reduce, DDP's ``bucket_cap_mb`` (25).
 
     ``ckpt_path`` may name the suite's folder, a Lightning single-file checkpoint (single
     device, DDP, FSDP full state), a Lightning DCP folder (``ModelParallelStrategy``,
@@ -127,6 +128,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         data_replicate_size: Optional[int] = None,
         data_shard_size: Optional[int] = None,
         comm_hook: str = "none",
+        bucket_size_mb: Optional[float] = None,
     ) -> None:
         if not isinstance(load_optimizer_state, bool):
             raise ValueError(
@@ -139,6 +141,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             partition, stages_per_rank, sequence_parallel, loss_parallel, plan, save_distributed_checkpoint, timeout,
             activation_checkpointing=activation_checkpointing, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
             data_replicate_size=data_replicate_size, data_shard_size=data_shard_size, comm_hook=comm_hook,
+            bucket_size_mb=bucket_size_mb,
         )
         super().__init__(
             data_parallel_size=data_parallel_size,

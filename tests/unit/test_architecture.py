@@ -33,6 +33,8 @@ FORBIDDEN = {
     PACKAGE / "adapters": ("lightning", "lightning_parallel.strategies", "lightning_parallel.train",
                            "lightning_parallel.checkpoints", "lightning_parallel.callbacks"),
     ROOT / "examples": ("lightning_parallel.strategies", "lightning_parallel.parallel"),
+    PACKAGE / "planner": ("lightning", "lightning_parallel.strategies", "lightning_parallel.train",
+                          "lightning_parallel.checkpoints", "lightning_parallel.callbacks"),
 }
 
 

@@ -54,7 +54,10 @@ def _run(rank: int, world_size: int) -> dict:
     module = copy.deepcopy(reference)
     layout = ParallelLayout(2, 2, 1, 1)
     mesh = layout.build_mesh("cpu")
-    parallelize(module, layout, mesh, ParallelOptions(data_parallel_size=2), rank, data_mesh=data_mesh(layout, mesh, 0))
+    bucketed = copy.deepcopy(reference)  # DDP's default 25 MB bucket holds this whole model: one all-reduce
+    for target, options in ((module, ParallelOptions(data_parallel_size=2, bucket_size_mb=0)),
+                            (bucketed, ParallelOptions(data_parallel_size=2))):
+        parallelize(target, layout, mesh, options, rank, data_mesh=data_mesh(layout, mesh, 0))
     events: list = []
     module.pipeline_layers()[0].register_full_backward_pre_hook(lambda *_: events.append("first layer backward"))
     original = dist.all_reduce
@@ -78,6 +81,9 @@ def _run(rank: int, world_size: int) -> dict:
         events.clear()
         (module.pipeline_loss(module(x[1, half]), y[1, half]) / 2).backward()
         accumulated_calls = events.count("all_reduce")
+        events.clear()
+        bucketed.pipeline_loss(bucketed(x[0, half]), y[0, half]).backward()
+        bucket_calls = events.count("all_reduce")
     finally:
         dist.all_reduce = original
     accumulated = _grads(module)
@@ -86,7 +92,8 @@ def _run(rank: int, world_size: int) -> dict:
     reference.zero_grad(set_to_none=True)
     for i in range(2):
         (reference.pipeline_loss(reference(x[i]), y[i]) / 2).backward()
-    return {"synced": synced, "deferred": deferred, "accumulated_calls": accumulated_calls,
+    return {"synced": synced, "deferred": deferred, "accumulated_calls": accumulated_calls, "bucket_calls": bucket_calls,
+            "bucketed": _max_diff(_grads(bucketed), expected_one),
             "one_step": _max_diff(one_step, expected_one), "accumulated": _max_diff(accumulated, _grads(reference)),
             "units": len(module.pipeline_layers())}  # the root holds no parameter of its own
 
@@ -101,3 +108,4 @@ def test_replicated_gradients_are_reduced_during_backward_and_deferred_in_micro_
         assert result["deferred"] == 0, result  # accumulation micro-step: no communication
         assert result["accumulated_calls"] == result["units"], result
         assert result["accumulated"] < TOL, result
+        assert result["bucket_calls"] == 1 and result["bucketed"] < TOL, result

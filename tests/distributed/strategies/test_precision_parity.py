@@ -92,9 +92,12 @@ def _deepspeed_bf16_true(per_rank: list[dict], reference: dict, name: str) -> tu
 
 
 def _assert_within(per_rank: list[dict], reference: dict, names) -> None:
+    found = {}
     for name in names:
         check = _deepspeed_bf16_true if name.startswith("deepspeed") and name.endswith("bf16-true") else _check
-        worst, bound = check(per_rank, reference, name)
+        found[name] = check(per_rank, reference, name)
+    print("\n".join(f"{name}: {worst:.3g} (bound {bound:.3g})" for name, (worst, bound) in found.items()))
+    for name, (worst, bound) in found.items():
         assert worst <= bound, f"{name}: {worst:.3g} from one process, whose own bf16 error is {bound:.3g}"
 
 
@@ -159,6 +162,7 @@ def two_process_run() -> tuple[dict, list[dict]]:
     cases = _cases({
         "pipeline": (partial(PipelineParallelStrategy, pipeline_parallel_size=2), 1),
         "tensor": (partial(TensorParallelStrategy, tensor_parallel_size=2), 1),
+        "dp2": (partial(HybridParallelStrategy, zero_stage=0), 2),
         "dp2_zero3": (partial(HybridParallelStrategy, zero_stage=3), 2),
         "deepspeed_zero2": (partial(DeepSpeedDataParallelStrategy, stage=2), 2),
     })

@@ -164,3 +164,27 @@ def test_selective_is_refused_under_a_split_backward_schedule():
     with pytest.raises(ValueError, match="'selective' cannot run under schedule='zbv'.*'full'"):
         check_module(_gpt(), layout, ParallelOptions(**options, activation_checkpointing="selective"))
     check_module(_gpt(), layout, ParallelOptions(**options, activation_checkpointing="full"))
+
+
+@pytest.mark.parametrize("choice", ["full", "selective"])
+def test_a_hugging_face_decoder_checkpoints_its_blocks_exactly(choice):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                      attention_dropout=0.2)
+    model = transformers.LlamaForCausalLM(config).train()
+    tokens = torch.randint(0, 64, (2, 16))
+
+    def loss_and_grads(m):
+        torch.manual_seed(7)
+        m(input_ids=tokens, labels=tokens).loss.backward()
+        return {n: p.grad for n, p in m.named_parameters()}
+
+    grads = loss_and_grads(copy.deepcopy(model))
+    checkpointed = copy.deepcopy(model)
+    chosen = checkpoint_activations(checkpointed, choice)
+    assert chosen == list(checkpointed.model.layers)  # the decoder blocks, keyword arguments and all
+    assert checkpointed.config.use_cache is False  # a training-time KV cache would grow again in recomputation
+    assert list(checkpointed.state_dict()) == list(model.state_dict())
+    assert _max_difference(loss_and_grads(checkpointed), grads) == 0.0

@@ -129,3 +129,28 @@ def test_the_hybrid_strategy_refuses_before_any_process_group():
     with pytest.raises(ValueError, match="precision='16-true' is not supported"):
         trainer.fit(ResidualMLP(), datamodule=FixedOrderData(regression_dataset(16, 32), batch_size=8))
     assert not dist.is_initialized()
+
+
+def test_tied_copy_gradients_are_exchanged_and_summed_in_fp32(monkeypatch):
+    # Rank 0 of a tied pair (embedding and head on two pipeline ranks) under bf16-true, the peer faked.
+    import torch.distributed as dist
+
+    from lightning_parallel.parallel.pipeline_tied import TiedCopies, sum_tied_gradients
+
+    exchanged = []
+
+    def exchange(ops):
+        send, recv = ops
+        exchanged.append((send.tensor.dtype, recv.tensor.dtype))
+        recv.tensor.fill_(3 * 2.0**-9)  # the peer's contribution this step
+        return []
+
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group: type("Op", (), {"tensor": tensor})())
+    monkeypatch.setattr(dist, "batch_isend_irecv", exchange)
+    head = torch.nn.Linear(2, 2, bias=False).to(torch.bfloat16)
+    before = [torch.full((2, 2), 0.5, dtype=torch.bfloat16)]  # an accumulation window already holds 0.5
+    head.weight.grad = torch.full((2, 2), 1.5, dtype=torch.bfloat16)  # this step added 1.0
+    sum_tied_gradients(head, [TiedCopies("weight", (0, 1), 0)], before)
+    assert exchanged == [(torch.float32, torch.float32)]
+    expected = (torch.tensor(0.5) + torch.tensor(1.0) + 3 * 2.0**-9).to(torch.bfloat16)  # one rounding, at the end
+    assert torch.equal(head.weight.grad, expected.expand(2, 2))
