@@ -19,7 +19,9 @@ not the memory held before the step (weights, optimizer state). A storage is cou
 it is freed, however it is referenced (views, autograd's saved tensors, the checkpoint's
 saved inputs), which hooks on saved tensors alone would miss: checkpointing replaces them
 inside each recomputed region. Step time: the slowest rank's, median over the timed steps; the
-time ratio of a mode is the median over rounds of its step over the ``none`` step of the same round.
+time ratio of a mode is the median over rounds of its step over the ``none`` step of the same round;
+the CPU-time ratio divides the median CPU seconds per step of the busiest rank (``process_time``),
+which other work on a shared machine does not inflate.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ HOW = ("How: the GPT recipe scaled so activations dominate (seq 256, 8 blocks, d
        "by step. Memory: peak bytes of the tensor storages a training step (forward + backward) creates and still holds "
        "(a dispatch mode follows every storage until it is freed; weights and optimizer state held before the step do "
        "not count), per rank. Time: median step of the slowest rank. Cut = peak of `none` / peak of the mode (max over "
-       "ranks); time ratio = median over rounds of mode step / `none` step of the same round.")
+       "ranks); time ratio = median over rounds of mode step / `none` step of the same round; CPU-time ratio = "
+       "median CPU seconds per step (busiest rank, `process_time`) of the mode / of `none`, insensitive to the "
+       "shared machine's load.")
 # name -> ((data, pipeline, tensor) sizes, zero_stage)
 LAYOUTS = {"pp2": ((1, 2, 1), 0), "tp2": ((1, 1, 2), 0), "dp2xpp2_zero3": ((2, 2, 1), 3)}
 MODEL = {"vocab_size": 256, "seq_len": 256, "d_model": 64, "n_layer": 8, "n_head": 4, "dropout": 0.1}
@@ -127,6 +131,7 @@ def _rank(rank: int, world_size: int, sizes: tuple, zero_stage: int, steps: int)
     tokens = torch.randint(0, MODEL["vocab_size"], (BATCH, MODEL["seq_len"] + 1), generator=g)
     runs = {mode: _build(rank, world_size, sizes, zero_stage, mode) for mode in MODES}
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    cpu: dict[str, list[float]] = {mode: [] for mode in MODES}
     peaks: dict[str, int] = {}
     for index in range(steps + 2):  # one warm-up step, one measured for memory, then the timed steps
         for mode, (module, step, optimizer, share) in runs.items():
@@ -139,13 +144,15 @@ def _rank(rank: int, world_size: int, sizes: tuple, zero_stage: int, steps: int)
                     step(x, y)
                 peaks[mode] = counter.peak
             else:
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 step(x, y)
-                elapsed = torch.tensor(time.perf_counter() - start)
+                elapsed = torch.tensor([time.perf_counter() - start, time.process_time() - start_cpu])
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank ends
-                times[mode].append(float(elapsed)) if index >= 2 else None
+                if index >= 2:
+                    times[mode].append(float(elapsed[0]))
+                    cpu[mode].append(float(elapsed[1]))
             optimizer.step()
-    return {"peak_bytes": peaks, "step_s": times}
+    return {"peak_bytes": peaks, "step_s": times, "cpu_s": cpu}
 
 
 def measure(layouts: list[str], steps: int, timeout: float = 1800) -> list[dict]:
@@ -158,7 +165,7 @@ def measure(layouts: list[str], steps: int, timeout: float = 1800) -> list[dict]
         world = sizes[0] * sizes[1] * sizes[2]
         per_rank = run_processes(_rank, world, sizes, zero_stage, steps, timeout=timeout)
         row: dict[str, Any] = {"layout": name, "world": world}
-        times = per_rank[0]["step_s"]  # the slowest rank's, the same on every rank
+        times, cpu = per_rank[0]["step_s"], per_rank[0]["cpu_s"]  # the slowest rank's, the same on every rank
         for mode in MODES:
             row[mode] = {"peak_bytes_per_rank": [r["peak_bytes"][mode] for r in per_rank],
                          "step_s": statistics.median(times[mode]), "steps_s": times[mode]}
@@ -167,6 +174,8 @@ def measure(layouts: list[str], steps: int, timeout: float = 1800) -> list[dict]
             # Median of the ratios within a round (none, selective, full back to back): load that changes
             # between rounds cancels.
             row[f"{mode}_time_ratio"] = statistics.median(a / b for a, b in zip(times[mode], times["none"]))
+            # CPU seconds of the busiest rank: what recomputation costs, whatever else runs on the machine.
+            row[f"{mode}_cpu_ratio"] = statistics.median(cpu[mode]) / statistics.median(cpu["none"])
         rows.append(row)
         print(f"[activation_memory] {name}: " + render_rows([row]).splitlines()[-1], flush=True)
     return rows
@@ -176,13 +185,15 @@ def render_rows(rows: list[dict]) -> str:
     """A markdown table: peak MiB per rank and step time per mode, with the ratios to ``none``."""
     mib = lambda values: " / ".join(f"{v / 2**20:.1f}" for v in values)  # noqa: E731
     lines = ["| layout | none MiB/rank | selective MiB/rank | full MiB/rank | none s | selective s | full s | "
-             "memory cut selective / full | step time selective / full |", "|---|---|---|---|---|---|---|---|---|"]
+             "memory cut selective / full | step time selective / full | CPU time selective / full |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['layout']} | {mib(r['none']['peak_bytes_per_rank'])} | {mib(r['selective']['peak_bytes_per_rank'])} | "
             f"{mib(r['full']['peak_bytes_per_rank'])} | {r['none']['step_s']:.3f} | {r['selective']['step_s']:.3f} | "
             f"{r['full']['step_s']:.3f} | {r['selective_memory_cut']:.2f}x / {r['full_memory_cut']:.2f}x | "
-            f"{r['selective_time_ratio']:.2f}x / {r['full_time_ratio']:.2f}x |")
+            f"{r['selective_time_ratio']:.2f}x / {r['full_time_ratio']:.2f}x | "
+            f"{r['selective_cpu_ratio']:.2f}x / {r['full_cpu_ratio']:.2f}x |")
     return "\n".join(lines)
 
 

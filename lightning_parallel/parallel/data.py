@@ -10,14 +10,14 @@ Note:
     Why FSDP2 and not DDP for ``zero_stage=0``: torch's ``DistributedDataParallel`` does not
     take tensor-parallel DTensor parameters without private hooks, and its composable form
     (``replicate``) lives in a private module; ``fully_shard`` is public, composes with TP's
-    DTensors and with ``torch.distributed.pipelining``. The gradient of each FSDP2 unit (one
-    pipeline layer, then the root) is all-reduced from its post-backward hook, i.e. during
-    backward, layer by layer -- the overlap DDP's buckets give, with a layer as the bucket
-    (under pipelining, torch's ``PipelineStage`` skips the sync of every micro-batch and
-    reduces a stage once its last backward is done, while other stages still compute);
-    an average is a sum divided by the group size, so the result is exact (1e-8 here). The
-    price: parameters are DTensors on the data mesh, and each forward "all-gathers" over a
-    group of one (a copy). What FSDP2 lacks is DDP's communication hooks: fp16/bf16
+    DTensors and with ``torch.distributed.pipelining``. The gradient of each FSDP2 unit (a
+    bucket of consecutive layers, see ``bucket_bytes``, then the root) is all-reduced from
+    its post-backward hook, i.e. during backward -- the overlap DDP's buckets give. Under
+    pipelining torch's ``PipelineStage`` skips the sync of every micro-batch and reduces a
+    stage once its last backward is done, while other stages still compute. An average is a
+    sum divided by the group size, so the result is exact (1e-8 here). The price: parameters
+    are DTensors on the data mesh, so the optimizer step pays DTensor dispatch (see
+    ``benchmarks/data_axis_comm.py``). What FSDP2 lacks is DDP's communication hooks: bf16
     compression is its ``MixedPrecisionPolicy.reduce_dtype``; PowerSGD has no FSDP2 form.
 """
 

@@ -211,16 +211,13 @@ def apply_trainer_settings(
 def apply_precision(config: dict[str, Any], precision: str, device_type: str) -> dict[str, Any]:
     """Turn ``Trainer(precision=...)`` into DeepSpeed's precision blocks, in place.
 
-    What each precision becomes (the README's precision table says it per strategy):
-
-    * ``bf16-mixed`` -- DeepSpeed's ``torch_autocast`` block: parameters, gradients and
-      optimizer state stay fp32, matmuls run in bf16 under ``torch.autocast``, as Lightning's
-      ``bf16-mixed`` does elsewhere. ``lower_precision_safe_modules: []`` keeps every
-      gradient reduction fp32 (DeepSpeed's default would reduce Linear gradients in bf16).
-    * ``bf16-true`` -- DeepSpeed's ``bf16`` block: bf16 parameters and compute, fp32 master
-      weights and optimizer state inside DeepSpeed's optimizer; ``communication_data_type:
-      "fp32"`` makes the gradient reduction fp32.
-    * ``16-mixed``/``16-true`` -- DeepSpeed's ``fp16`` block with its loss scaling (CUDA only).
+    * ``bf16-mixed`` -- DeepSpeed's ``torch_autocast``: parameters, gradients and optimizer
+      state stay fp32, matmuls run in bf16, as Lightning's ``bf16-mixed`` does elsewhere;
+      ``lower_precision_safe_modules: []`` keeps every gradient reduction fp32 (DeepSpeed's
+      default would reduce Linear gradients in bf16).
+    * ``bf16-true`` -- DeepSpeed's ``bf16``: bf16 parameters and compute, fp32 master weights
+      and optimizer state in DeepSpeed's optimizer; ``communication_data_type: "fp32"``.
+    * ``16-mixed``/``16-true`` -- DeepSpeed's ``fp16`` with its loss scaling (CUDA only).
 
     Args:
         config: the merged DeepSpeed config (modified and returned).
@@ -241,21 +238,26 @@ def apply_precision(config: dict[str, Any], precision: str, device_type: str) ->
     wanted = {"fp16": precision in ("16-mixed", "16-true"), "bf16": precision == "bf16-true",
               "torch_autocast": precision == "bf16-mixed"}
     for key, enabled in wanted.items():
-        block = config.get(key)
-        if block is None:
-            if enabled:
-                config[key] = {"enabled": True}
-            continue
-        if not isinstance(block, Mapping) or bool(block.get("enabled", False)) != enabled:
-            raise ValueError(
-                f"The raw DeepSpeed config sets {key}={block!r} but Trainer(precision={precision!r}) "
-                f"{'needs' if enabled else 'excludes'} it (bf16-mixed is torch_autocast with fp32 weights, bf16-true is "
-                f"DeepSpeed's bf16 with fp32 masters): set the precision with Trainer(precision=...) only and "
-                f"drop {key}.enabled from the DeepSpeed config (keep loss-scale options there if you need them)."
-            )
+        _apply_block(config, key, enabled, precision)
     if wanted["torch_autocast"]:
         _check_same(config["torch_autocast"], "dtype", "bfloat16", "Trainer(precision='bf16-mixed')")
-        _check_same(config["torch_autocast"], "lower_precision_safe_modules", [], "fp32 gradient reduction")
+        _check_same(config["torch_autocast"], "lower_precision_safe_modules", [], "the suite (fp32 gradient reductions)")
     if wanted["bf16"]:
-        _check_same(config, "communication_data_type", "fp32", "fp32 gradient reduction under bf16-true")
+        _check_same(config, "communication_data_type", "fp32", "the suite (fp32 gradient reductions)")
     return config
+
+
+def _apply_block(config: dict[str, Any], key: str, enabled: bool, precision: str) -> None:
+    """Turn precision block ``key`` on when ``enabled``; refuse a raw block that says otherwise."""
+    block = config.get(key)
+    if block is None:
+        if enabled:
+            config[key] = {"enabled": True}
+        return
+    if not isinstance(block, Mapping) or bool(block.get("enabled", False)) != enabled:
+        raise ValueError(
+            f"The raw DeepSpeed config sets {key}={block!r} but Trainer(precision={precision!r}) "
+            f"{'needs' if enabled else 'excludes'} it (bf16-mixed is torch_autocast with fp32 weights, bf16-true is "
+            f"DeepSpeed's bf16 with fp32 masters): set the precision with Trainer(precision=...) only and "
+            f"drop {key}.enabled from the DeepSpeed config (keep loss-scale options there if you need them)."
+        )

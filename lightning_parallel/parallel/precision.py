@@ -4,14 +4,16 @@ Lightning's precision names say how the model computes; this module says what th
 for each mesh axis, and refuses what would silently reduce gradients in bf16:
 
 * ``bf16-mixed`` -- parameters, gradients and optimizer state stay fp32 (the master
-  weights); ``torch.autocast`` runs matmuls in bf16. Under FSDP2 (``zero_stage`` 2/3) the
-  all-gathered parameters are bf16 (``param_dtype``) when there is no tensor parallelism,
-  and gradients are reduced in fp32 (``reduce_dtype``).
+  weights); ``torch.autocast`` runs matmuls in bf16. Under ``zero_stage`` 2/3 FSDP2's
+  all-gathered parameters are bf16 (``param_dtype``) when there is no tensor parallelism;
+  the data axis reduces gradients in fp32 (``reduce_dtype``) at every ZeRO stage.
 * ``bf16-true`` -- Lightning converts the module to bf16: parameters, gradients and
   optimizer state are bf16 (the memory-saving choice the name asks for; ``bf16-mixed``
-  keeps fp32 masters). Reductions across ranks still run in fp32: FSDP2's
-  ``reduce_dtype``, the tied-copy sums across pipeline ranks, ``replicated_grad_sum`` over
-  the tensor ranks and the global clipping norm upcast before they communicate.
+  keeps fp32 masters). Reductions across ranks still run in fp32: the data axis through
+  FSDP2's ``reduce_dtype`` (``zero_stage=0``'s all-reduce included), while the tied-copy sums
+  across pipeline ranks, ``replicated_grad_sum`` over the tensor ranks and the global
+  clipping norm upcast before they communicate. Activations (and their gradients) cross
+  ranks in their own dtype, bf16, as in Megatron-LM.
 
 Note:
     FSDP2 applies ``reduce_dtype`` to its own reduce-scatter only: the ``Partial ->
@@ -44,6 +46,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def check_dtype_option(name: str, value: Optional[str], allow_none: bool) -> None:
     """Refuse a ``param_dtype``/``reduce_dtype`` option that is not a dtype name (ParallelOptions calls it).
+
+    Args:
+        name: the option's name, for the message.
+        value: its value.
+        allow_none: whether None (chosen from the precision) is allowed.
 
     Raises:
         ValueError: ``value`` is not ``"float32"``/``"bfloat16"`` (or ``None`` where allowed).
@@ -134,7 +141,13 @@ def fsdp_policy(precision: str, options: ParallelOptions, layout: ParallelLayout
 
 
 def describe_precision(precision: str, options: ParallelOptions, layout: ParallelLayout) -> str:
-    """One line for the start-up table: compute, master weights and reduction dtypes."""
+    """One line for the start-up table: compute, master weights and reduction dtypes.
+
+    Args:
+        precision: the Trainer's precision name.
+        options: the strategy's options.
+        layout: the resolved layout.
+    """
     precision = str(precision)
     masters = "bf16 (bf16-true)" if precision == "bf16-true" else "fp32"
     compute = {"bf16-mixed": "bf16 autocast", "bf16-true": "bf16"}.get(precision, "fp32")
@@ -152,5 +165,9 @@ def _name(dtype: Any) -> str:
 
 
 def upcast_for_reduction(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as fp32 for a sum across ranks (a copy when it was lower precision, else itself)."""
+    """``tensor`` as fp32 for a sum across ranks (a copy when it was lower precision, else itself).
+
+    Args:
+        tensor: a gradient (plain or DTensor) about to be reduced.
+    """
     return tensor.float() if tensor.dtype in (torch.bfloat16, torch.float16) else tensor

@@ -143,9 +143,13 @@ def _pipeline_settings(space: SearchSpace, pp: int, batch: int) -> tuple[list[tu
             m = factor * pp
             try:
                 validate_schedule(schedule, pp, v, m)
+            except ValueError as error:
+                reasons.append(f"{schedule} m{m}|schedule refuses: {error}")
+                continue
+            try:
                 check_microbatches(batch, m)
             except ValueError as error:
-                reasons.append(f"{schedule} m{m}: {str(error).split(':')[0]}")
+                reasons.append(f"{schedule} m{m}|micro-batches do not split the batch: {error}")
                 continue
             settings.append((schedule, v, m))
     return sorted(set(settings)), reasons
@@ -190,7 +194,7 @@ def enumerate_layouts(shape: ModelShape, world: int, work: Workload,
                 rejected.append(Rejected(f"{label} b{batch}", f"batch does not divide: {error}"))
                 continue
             settings, reasons = _pipeline_settings(space, pp, batch)
-            rejected += [Rejected(f"{label} b{batch} {r.split(':')[0]}", r.split(": ", 1)[1]) for r in reasons]
+            rejected += [Rejected(f"{label} b{batch} {r.split('|')[0]}", r.split("|", 1)[1]) for r in reasons]
             for (schedule, v, m) in settings:
                 if pp * v > layers:
                     rejected.append(Rejected(f"{label} {schedule}", f"too few layers: {layers} for {pp * v} stages"))

@@ -34,7 +34,7 @@ class Plan:
     @property
     def best(self) -> Prediction:
         if not self.ranked:
-            reasons = sorted({r.reason.split(":")[0] for r in self.rejected})
+            reasons = sorted({r.reason.split(":")[0] for r in self.rejected})  # the categories, not every detail
             raise ValueError(f"No layout of {self.world} devices runs {self.shape.name} on {self.cluster.name}: "
                              f"every candidate was refused ({'; '.join(reasons)}). Use more devices, a cluster with "
                              "more memory per device, a smaller batch, or activation checkpointing.")

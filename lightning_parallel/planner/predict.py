@@ -63,7 +63,7 @@ def layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, micro: int,
         if shape.measured_seconds is None:
             raise ValueError(f"cluster {cluster.name!r} measures compute, but the shape of {shape.name} was not "
                              "measured: plan it from a model config, or use a cluster with compute: peak.")
-        totals = [t * cluster.compute_slowdown(world) for t in shape.measured_seconds(micro)]
+        totals = list(shape.measured_seconds(micro))
     else:
         totals = [3 * layer.fwd_flops * micro / (cluster.peak_flops * cluster.efficiency) for layer in shape.layers]
     link = cluster.link(c.tp, world)
@@ -132,15 +132,21 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate) -> Prediction:
         sim = _simulate(c.schedule, c.pp, c.stages_per_rank, c.microbatches, tuple(fwd), tuple(bwd), tuple(act),
                         link.latency + sent / link.bandwidth)
         batch_time, peaks, busy, bubble = sim.step_time, sim.peak_in_flight, max(sim.busy), sim.bubble
+        work = sum(sim.busy) * c.dp * c.tp
     else:
         batch_time, peaks, busy, bubble = fwd[0] + bwd[0], (act[0],), fwd[0] + bwd[0], 0.0
+        work = busy * world
+    # Processes sharing fewer cores (compute_units) cannot finish before all their work has had a core:
+    # a rank idle in the pipeline bubble leaves its core to the others.
+    slowdown = cluster.compute_slowdown(world)
+    batch_time = max(batch_time, work / (cluster.compute_units or world))
     worst, comm, step, memories = None, 0.0, 0.0, []
     for r, rank_stages in enumerate(per_rank):
         layers = [i for s in rank_stages for i in s]
         params, grads, optim = state_bytes(shape, c, layers)
         full = shape.param_bytes * sum(shape.local_counts(c.tp, 1)[i][0] for i in layers)
         per_batch, sync = _data_axis_seconds(c, cluster, params, full, len(layers))
-        optimizer = 2 * (params + grads + optim) / cluster.memory_bandwidth
+        optimizer = slowdown * 2 * (params + grads + optim) / cluster.memory_bandwidth
         rank_step = c.accumulate * (batch_time + per_batch) + sync + optimizer
         if rank_step > step:
             step, comm = rank_step, c.accumulate * per_batch + sync

@@ -128,17 +128,27 @@ def _tp_limits(module: nn.Module) -> tuple[tuple[str, int], ...]:
     return tuple(limits)
 
 
-def _layer_timer(layers: Sequence[nn.Module], sample: Tensor):
-    """``f(micro_batch) -> seconds per layer``: one measurement per micro-batch size, kept."""
+def _layer_timer(layers: Sequence[nn.Module], sample: Tensor, rounds: int = 3):
+    """``f(micro_batch) -> seconds per layer``, linear in the micro-batch between two measured sizes.
+
+    Each layer is timed at one sample and at the whole sample batch, ``rounds`` times, keeping the fastest
+    (the least disturbed by other processes); other sizes are interpolated (extrapolated beyond), so the
+    times of different micro-batch counts come from the same two measurements and rank consistently.
+    """
     from lightning_parallel.parallel.partition import measure_layer_times
 
-    @lru_cache(maxsize=None)
+    big = sample.shape[0]
+
+    @lru_cache(maxsize=1)
+    def ends() -> tuple[list[float], list[float]]:
+        small_runs = [measure_layer_times(layers, sample[:1], repeats=3) for _ in range(rounds)]
+        big_runs = [measure_layer_times(layers, sample, repeats=3) for _ in range(rounds)]
+        return [min(r) for r in zip(*small_runs)], [min(r) for r in zip(*big_runs)]
+
     def seconds(micro_batch: int) -> tuple[float, ...]:
-        if micro_batch > sample.shape[0]:
-            reps = -(-micro_batch // sample.shape[0])
-            x = sample.repeat(reps, *([1] * (sample.dim() - 1)))[:micro_batch]
-        else:
-            x = sample[:micro_batch]
-        return tuple(measure_layer_times(layers, x, repeats=5))
+        small, large = ends()
+        if big == 1:
+            return tuple(s * micro_batch for s in small)
+        return tuple(max(0.0, s + (micro_batch - 1) * (b - s) / (big - 1)) for s, b in zip(small, large))
 
     return seconds

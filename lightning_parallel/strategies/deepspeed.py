@@ -309,7 +309,7 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
         import deepspeed
 
         inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
-        for key in ("fp16", "bf16"):
+        for key in ("fp16", "bf16", "torch_autocast"):  # torch_autocast: bf16-mixed (apply_precision)
             if key in self.config:
                 inference_config[key] = self.config[key]
         if self.zero_stage_3:

@@ -130,12 +130,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         comm_hook: str = "none",
         bucket_size_mb: Optional[float] = None,
     ) -> None:
-        if not isinstance(load_optimizer_state, bool):
-            raise ValueError(
-                f"load_optimizer_state must be True (restore ckpt_path's optimizer state or refuse) or False (start the "
-                f"optimizer afresh), not {load_optimizer_state!r}."
-            )
-        self.load_optimizer_state = load_optimizer_state
+        self.load_optimizer_state = _checked_load_optimizer_state(load_optimizer_state)
         self.options = ParallelOptions(
             data_parallel_size, pipeline_parallel_size, tensor_parallel_size, zero_stage, microbatches, schedule,
             partition, stages_per_rank, sequence_parallel, loss_parallel, plan, save_distributed_checkpoint, timeout,
@@ -380,6 +375,15 @@ class HybridParallelStrategy(ModelParallelStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="data x pipeline x tensor parallelism (lightning_parallel)"
             )
+
+
+def _checked_load_optimizer_state(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"load_optimizer_state must be True (restore ckpt_path's optimizer state or refuse) or False (start the "
+            f"optimizer afresh), not {value!r}."
+        )
+    return value
 
 
 def _unwrap(optimizer: Any) -> Optimizer:

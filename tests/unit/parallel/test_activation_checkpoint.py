@@ -188,3 +188,24 @@ def test_a_hugging_face_decoder_checkpoints_its_blocks_exactly(choice):
     assert checkpointed.config.use_cache is False  # a training-time KV cache would grow again in recomputation
     assert list(checkpointed.state_dict()) == list(model.state_dict())
     assert _max_difference(loss_and_grads(checkpointed), grads) == 0.0
+
+
+def test_the_benchmarks_memory_counter_sees_what_checkpointing_keeps():
+    """``benchmarks.activation_memory.LiveTensorBytes``: exact on a known sequence, and smaller under ``full``."""
+    from benchmarks.activation_memory import LiveTensorBytes
+
+    with LiveTensorBytes([]) as counter:
+        a = torch.ones(1000)
+        b = a * 2  # 8000 bytes alive together
+        del a
+        c = b + 1  # b and c: 8000 again, never 12000
+    assert counter.peak == 8000 and c.numel() == 1000
+    peaks = {}
+    for choice in ("none", "full"):
+        model = _gpt()
+        checkpoint_activations(model, choice) if choice != "none" else None
+        tokens = torch.randint(0, 64, (4, 16))
+        with LiveTensorBytes(list(model.parameters())) as counter:
+            model.pipeline_loss(model(tokens), tokens).backward()
+        peaks[choice] = counter.peak
+    assert 0 < peaks["full"] < peaks["none"]
