@@ -49,7 +49,8 @@ HOW = ("How: the GPT recipe scaled so activations dominate (seq 256, 8 blocks, d
        "median CPU seconds per step (busiest rank, `process_time`) of the mode / of `none`, insensitive to the "
        "shared machine's load.")
 # name -> ((data, pipeline, tensor) sizes, zero_stage)
-LAYOUTS = {"pp2": ((1, 2, 1), 0), "tp2": ((1, 1, 2), 0), "dp2xpp2_zero3": ((2, 2, 1), 3)}
+LAYOUTS = {"pp2": ((1, 2, 1), 0), "tp2": ((1, 1, 2), 0), "dp2xpp2_zero3": ((2, 2, 1), 3),
+           "single": ((1, 1, 1), 0)}  # one process: the recompute cost without communication or waiting
 MODEL = {"vocab_size": 256, "seq_len": 256, "d_model": 64, "n_layer": 8, "n_head": 4, "dropout": 0.1}
 BATCH, MICROBATCHES = 8, 4
 
@@ -93,7 +94,7 @@ def _storage_key(t: torch.Tensor) -> int:
     return id(_local(t).untyped_storage())
 
 
-def _build(rank: int, world_size: int, sizes: tuple, zero_stage: int, mode: str) -> tuple:
+def _build(rank: int, world_size: int, sizes: tuple, zero_stage: int, mode: str, dropout: float) -> tuple:
     """One GPT parallelised for ``mode``: ``(module, step function, optimizer)``."""
     from examples.nlp.model import GPT
     from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout
@@ -106,7 +107,7 @@ def _build(rank: int, world_size: int, sizes: tuple, zero_stage: int, mode: str)
     options = ParallelOptions(*sizes, zero_stage=zero_stage, microbatches=MICROBATCHES, schedule="1f1b",
                               partition="uniform", activation_checkpointing=mode)
     torch.manual_seed(0)
-    module = GPT(**MODEL)
+    module = GPT(**{**MODEL, "dropout": dropout})
     result = parallelize(module, layout, mesh, options, rank)
     if result.pipelined:
         runner = PipelineRunner(result.stages, result.stage_ids, result.num_stages, options.schedule, MICROBATCHES,
@@ -123,13 +124,13 @@ def _build(rank: int, world_size: int, sizes: tuple, zero_stage: int, mode: str)
     return module, step, torch.optim.AdamW(module.parameters(), lr=1e-3), slice(start, start + share)
 
 
-def _rank(rank: int, world_size: int, sizes: tuple, zero_stage: int, steps: int) -> dict:
+def _rank(rank: int, world_size: int, sizes: tuple, zero_stage: int, steps: int, dropout: float) -> dict:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, MODEL["vocab_size"], (BATCH, MODEL["seq_len"] + 1), generator=g)
-    runs = {mode: _build(rank, world_size, sizes, zero_stage, mode) for mode in MODES}
+    runs = {mode: _build(rank, world_size, sizes, zero_stage, mode, dropout) for mode in MODES}
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     cpu: dict[str, list[float]] = {mode: [] for mode in MODES}
     peaks: dict[str, int] = {}
@@ -155,15 +156,22 @@ def _rank(rank: int, world_size: int, sizes: tuple, zero_stage: int, steps: int)
     return {"peak_bytes": peaks, "step_s": times, "cpu_s": cpu}
 
 
-def measure(layouts: list[str], steps: int, timeout: float = 1800) -> list[dict]:
-    """Every layout of ``layouts`` (keys of :data:`LAYOUTS`): one row per layout with per-rank peaks and step medians."""
+def measure(layouts: list[str], steps: int, dropout: float = MODEL["dropout"], timeout: float = 1800) -> list[dict]:
+    """Every layout of ``layouts`` (keys of :data:`LAYOUTS`): one row per layout with per-rank peaks and step medians.
+
+    Args:
+        layouts: keys of :data:`LAYOUTS`.
+        steps: timed steps per mode (after one warm-up and one memory step).
+        dropout: the model's dropout (random masks are recomputed too, which costs on CPU).
+        timeout: seconds per layout.
+    """
     from lightning_parallel.testing import run_processes
 
     rows = []
     for name in layouts:
         sizes, zero_stage = LAYOUTS[name]
         world = sizes[0] * sizes[1] * sizes[2]
-        per_rank = run_processes(_rank, world, sizes, zero_stage, steps, timeout=timeout)
+        per_rank = run_processes(_rank, world, sizes, zero_stage, steps, dropout, timeout=timeout)
         row: dict[str, Any] = {"layout": name, "world": world}
         times, cpu = per_rank[0]["step_s"], per_rank[0]["cpu_s"]  # the slowest rank's, the same on every rank
         for mode in MODES:
@@ -197,19 +205,46 @@ def render_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], path: Path) -> Path:
+    """Bars of the peak MiB (busiest rank) and of the step-time ratio to ``none``, per layout and mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (memory, time_ratio) = plt.subplots(1, 2, figsize=(11, 3.6))
+    x = range(len(rows))
+    for offset, mode in zip((-0.27, 0.0, 0.27), MODES):
+        memory.bar([i + offset for i in x], [max(r[mode]["peak_bytes_per_rank"]) / 2**20 for r in rows], 0.27, label=mode)
+        ratios = [1.0 if mode == "none" else r[f"{mode}_time_ratio"] for r in rows]
+        time_ratio.bar([i + offset for i in x], ratios, 0.27, label=mode)
+    memory.set_ylabel("peak MiB (busiest rank)")
+    time_ratio.set_ylabel("step time / none")
+    time_ratio.axhline(1.4, color="grey", linestyle="--", linewidth=0.8)
+    for ax in (memory, time_ratio):
+        ax.set_xticks(list(x), [r["layout"] for r in rows], rotation=20, ha="right", fontsize=7)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="+", default=["pp2", "tp2", "dp2xpp2_zero3"], choices=list(LAYOUTS))
     parser.add_argument("--steps", type=int, default=4, help="timed steps per mode (after a warm-up and a memory step)")
+    parser.add_argument("--dropout", type=float, default=MODEL["dropout"])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results") / str(date.today()))
     args = parser.parse_args()
     start = time.perf_counter()
-    rows = measure(args.layouts, args.steps)
+    rows = measure(args.layouts, args.steps, args.dropout)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"model": MODEL, "batch": BATCH, "microbatches": MICROBATCHES, "steps": args.steps,
+    meta = {"model": {**MODEL, "dropout": args.dropout}, "batch": BATCH, "microbatches": MICROBATCHES, "steps": args.steps,
             "runtime_s": time.perf_counter() - start, "torch": torch.__version__}
     (args.out / "activation_memory.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    (args.out / "activation_memory.md").write_text(render_rows(rows) + "\n")
+    (args.out / "activation_memory.md").write_text(render_rows(rows) + "\n\n![activation memory](activation_memory.png)\n")
+    plot(rows, args.out / "activation_memory.png")
     print(render_rows(rows))
     print(f"[activation_memory] wrote {args.out}/activation_memory.json and .md in {meta['runtime_s']:.0f} s")
 

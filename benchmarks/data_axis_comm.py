@@ -4,7 +4,8 @@
 residual MLP with raw loops over :func:`~lightning_parallel.parallel.compose.parallelize` and
 compares, on the same ranks and batches:
 
-* ``dp4 overlap``: ``zero_stage=0`` on FSDP2 -- each layer's gradients all-reduced during backward;
+* ``dp4 overlap``: ``zero_stage=0`` on FSDP2 -- gradients all-reduced during backward in DDP's
+  25 MB buckets of layers (``, per layer``: ``bucket_size_mb=0``, one all-reduce per layer);
 * ``dp4 after backward``: the same replicas, gradients all-reduced in one flat bucket once
   backward has returned (the hand-written reduction this suite used before; overlap off);
 * ``dp4 zero2``: FSDP2 sharding over the whole data axis;
@@ -17,7 +18,8 @@ Measured per layout, per rank, then the median over ranks:
   (the payload on the calling rank, as :mod:`benchmarks.comm` counts; not wire bytes);
 * exposed communication: median forward + backward (+ the reduction after it, when overlap is
   off) minus the median of the same forward + backward with no communication (the unwrapped
-  module on this rank's batch), measured alternately (A B A B) so machine noise hits both;
+  module on this rank's batch); all layouts and the compute-only module step round-robin in
+  one process group, so machine noise hits every side alike;
   the optimizer step is timed apart (FSDP2's parameters are DTensors: the step pays DTensor
   dispatch, which is no communication).
 
@@ -28,7 +30,6 @@ little here; the bytes are exact anywhere, the times are this machine's.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import time
@@ -47,6 +48,7 @@ COUNTED = {"all_reduce": (0, "tensor"), "all_gather_single": (1, "input_tensor")
            "all_gather_into_tensor": (1, "input_tensor"), "reduce_scatter_tensor": (1, "input")}
 LAYOUTS = {
     "dp4 overlap": {"zero_stage": 0},
+    "dp4 overlap, per layer": {"zero_stage": 0, "bucket_size_mb": 0},
     "dp4 after backward": {"zero_stage": 0, "after_backward": True},
     "dp4 zero2": {"zero_stage": 2},
     "hsdp 2x2 zero2": {"zero_stage": 2, "data_replicate": 2},
@@ -91,7 +93,8 @@ def _flat_all_reduce(module: torch.nn.Module, group: Any) -> None:
         offset += g.numel()
 
 
-def _layout_run(rank: int, spec: dict, width: int, depth: int, steps: int) -> dict:
+def _build(rank: int, spec: dict, width: int, depth: int) -> dict:
+    """One layout on this rank: its module, optimizer, reduction group and the axes its groups belong to."""
     from lightning_parallel import _compat
     from lightning_parallel.layout import DATA_AXES, DATA_PARALLEL, DATA_REPLICATE, DATA_SHARD, ParallelLayout
     from lightning_parallel.parallel.compose import parallelize
@@ -103,52 +106,55 @@ def _layout_run(rank: int, spec: dict, width: int, depth: int, steps: int) -> di
     layout = ParallelLayout(world, world, 1, 1, data_replicate=spec.get("data_replicate", 1))
     mesh = layout.build_mesh("cpu")
     torch.manual_seed(0)
-    plain = ResidualMLP(width=width, depth=depth)
-    module = copy.deepcopy(plain)
-    if spec.get("after_backward"):
-        group = mesh[DATA_PARALLEL].get_group()
-    else:
+    module = ResidualMLP(width=width, depth=depth)
+    group = mesh[DATA_PARALLEL].get_group() if spec.get("after_backward") else None
+    if spec.get("zero_stage") is not None and group is None:
         shape = data_mesh_shape(layout, spec["zero_stage"])
         data_mesh = _compat.unflatten_mesh_dim(mesh, DATA_PARALLEL, shape, DATA_AXES) if shape else None
-        parallelize(module, layout, mesh, ParallelOptions(data_parallel_size=world, zero_stage=spec["zero_stage"]),
-                    rank, data_mesh=data_mesh)
+        options = ParallelOptions(data_parallel_size=world, zero_stage=spec["zero_stage"],
+                                  bucket_size_mb=spec.get("bucket_size_mb"))
+        parallelize(module, layout, mesh, options, rank, data_mesh=data_mesh)
     axes = {DATA_PARALLEL: tuple(layout.group_ranks(DATA_PARALLEL, rank))}
     if layout.hsdp_enabled:
         axes.update({a: tuple(layout.group_ranks(a, rank)) for a in (DATA_SHARD, DATA_REPLICATE)})
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (module, plain)]
-    x, y = torch.randn(8, width), torch.randn(8, width)
+    return {"module": module, "optimizer": torch.optim.AdamW(module.parameters(), lr=1e-3), "group": group, "axes": axes}
 
-    def step(model: torch.nn.Module, optimizer: Any, communicate: bool) -> tuple[float, float]:
-        """(forward + backward + gradient reduction, optimizer step) seconds."""
-        start = time.perf_counter()
-        model.pipeline_loss(model(x), y).backward()
-        if communicate and spec.get("after_backward"):
-            _flat_all_reduce(model, group)
-        middle = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return middle - start, time.perf_counter() - middle
 
-    counted: Counter = Counter()
-    with bytes_per_axis(axes, counted):
-        step(module, optimizers[0], True)
-    with_comm, compute = [], []
-    for _ in range(steps):  # A B A B
-        dist.barrier()
-        with_comm.append(step(module, optimizers[0], True))
-        dist.barrier()
-        compute.append(step(plain, optimizers[1], False))
-    def median_ms(times: list, part: int) -> float:
-        return 1e3 * statistics.median(t[part] for t in times[2:])
-
-    return {"bytes": dict(counted), "step_ms": median_ms(with_comm, 0), "compute_ms": median_ms(compute, 0),
-            "optimizer_ms": median_ms(with_comm, 1), "plain_optimizer_ms": median_ms(compute, 1)}
+def _step(run: dict, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """(forward + backward + gradient reduction, optimizer step) seconds of one step of ``run``."""
+    module, optimizer = run["module"], run["optimizer"]
+    start = time.perf_counter()
+    module.pipeline_loss(module(x), y).backward()
+    if run["group"] is not None:
+        _flat_all_reduce(module, run["group"])
+    middle = time.perf_counter()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return middle - start, time.perf_counter() - middle
 
 
 def _worker(rank: int, world_size: int, width: int, depth: int, steps: int) -> dict:
+    """Every layout and the compute-only module, stepped round-robin (A B C D E A B ...) under the same load."""
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.set_num_threads(1)
-    return {name: _layout_run(rank, spec, width, depth, steps) for name, spec in LAYOUTS.items()}
+    runs = {name: _build(rank, spec, width, depth) for name, spec in {**LAYOUTS, "compute only": {}}.items()}
+    x, y = torch.randn(8, width), torch.randn(8, width)
+    counted = {name: Counter() for name in LAYOUTS}
+    for name in LAYOUTS:
+        with bytes_per_axis(runs[name]["axes"], counted[name]):
+            _step(runs[name], x, y)
+    times: dict[str, list] = {name: [] for name in runs}
+    for _ in range(steps):
+        for name, run in runs.items():
+            dist.barrier()
+            times[name].append(_step(run, x, y))
+
+    def median_ms(name: str, part: int) -> float:
+        return 1e3 * statistics.median(t[part] for t in times[name][2:])
+
+    return {name: {"bytes": dict(counted[name]), "step_ms": median_ms(name, 0), "compute_ms": median_ms("compute only", 0),
+                   "optimizer_ms": median_ms(name, 1), "plain_optimizer_ms": median_ms("compute only", 1)}
+            for name in LAYOUTS}
 
 
 def summarise(per_rank: list[dict]) -> list[dict]:

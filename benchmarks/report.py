@@ -340,4 +340,8 @@ def _plots(out: Path, results: dict) -> list[Path]:
         paths.append(out / "pipeline_timeline.png")
         fig.savefig(paths[-1], dpi=80)
         plt.close(fig)
+    if results.get("activation_memory"):
+        from benchmarks.activation_memory import plot
+
+        paths.append(plot(results["activation_memory"], out / "activation_memory.png"))
     return paths

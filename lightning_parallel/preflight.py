@@ -83,6 +83,22 @@ def _build_strategy(cfg: DictConfig) -> Any:
         raise
 
 
+# Lightning's short precision names, as its connector unifies them (what check_precision is given in a rank).
+_UNIFIED_PRECISION = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "64": "64-true"}
+
+
+def _check_precision(cfg: DictConfig, strategy: Any, layout: ParallelLayout) -> None:
+    """A Trainer precision the strategy's options cannot run as asked fails here, not inside every rank."""
+    from lightning_parallel.parallel.options import ParallelOptions
+    from lightning_parallel.parallel.precision import check_precision
+
+    options = getattr(strategy, "options", None)
+    if not isinstance(options, ParallelOptions):
+        return
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    check_precision(_UNIFIED_PRECISION.get(precision, precision), options, layout)
+
+
 def _check_model(cfg: DictConfig, strategy: Any, layout: ParallelLayout) -> None:
     """Check the model against the layout (stages vs. layers, tensor size vs. heads) on the meta device."""
     import torch
@@ -171,13 +187,15 @@ def preflight(cfg: DictConfig) -> tuple[Any, ParallelLayout]:
     """Build the strategy and check the trainer, data, layout and model, before any process starts.
 
     Raises:
-        ConfigError: the first thing that cannot work, in the order trainer, data, sizes, world, schedule, model.
+        ConfigError: the first thing that cannot work, in the order trainer, data, sizes, world, schedule, precision,
+            model.
     """
     try:
         _check_trainer(cfg)
         _check_data(cfg)
         strategy = _build_strategy(cfg)
         layout = layout_of(strategy, world_size_of(cfg), int(cfg.trainer.num_nodes))
+        _check_precision(cfg, strategy, layout)
         _check_model(cfg, strategy, layout)
     except ValueError as exc:
         raise ConfigError(qualified(str(exc))) from exc

@@ -193,7 +193,8 @@ def matching_modules(module: nn.Module, patterns: Sequence[str]) -> list[tuple[s
     """``(name, submodule)`` that the globs name, outermost only (a match inside another is dropped).
 
     Raises:
-        ValueError: a glob that names no submodule, listing some names it could have used.
+        ValueError: a glob that names no submodule (listing names it could have used) or a
+            ``ModuleList``/``ModuleDict`` (never called, so nothing would be recomputed).
     """
     named = [(n, m) for n, m in module.named_modules() if n]
     chosen: dict[str, nn.Module] = {}
@@ -204,6 +205,12 @@ def matching_modules(module: nn.Module, patterns: Sequence[str]) -> list[tuple[s
             raise ValueError(
                 f"activation_checkpointing glob {pattern!r} names no submodule of {type(module).__name__}: use "
                 f"dotted names such as {examples} (fnmatch globs: 'blocks.*.attn'), or 'full'/'selective'."
+            )
+        containers = [n for n, m in hits if isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+        if containers:  # never called, so checkpointing it would recompute nothing
+            raise ValueError(
+                f"activation_checkpointing glob {pattern!r} names {containers[0]!r}, a container without forward: "
+                f"name its entries instead ('{containers[0]}.*')."
             )
         chosen.update(hits)
     return [(n, m) for n, m in chosen.items() if not any(n.startswith(f"{outer}.") for outer in chosen)]

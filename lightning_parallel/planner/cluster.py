@@ -46,6 +46,10 @@ class Cluster:
         memory_bandwidth: bytes per second of device memory (the optimizer step is bound by it).
         oversubscribed_latency: seconds per collective step when more processes than ``compute_units`` run
             (every rank of a collective must be scheduled onto a core first).
+        dtensor_param_overhead: seconds per step for each parameter held as a DTensor (FSDP2, tensor parallel):
+            the Python dispatch of its hooks and optimizer update, which a small model on a CPU feels.
+        pipeline_action_overhead: seconds each pipeline schedule action (a forward or backward of one stage on one
+            micro-batch) costs beyond its compute.
     """
 
     name: str
@@ -59,6 +63,8 @@ class Cluster:
     compute_units: Optional[int] = None
     memory_bandwidth: float = 100 * _GB
     oversubscribed_latency: Optional[float] = None
+    dtensor_param_overhead: float = 0.0
+    pipeline_action_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         if self.compute not in ("measured", "peak"):
@@ -118,6 +124,8 @@ def cluster_from_dict(values: Mapping[str, Any]) -> Cluster:
         compute_units=int(values["compute_units"]) if values.get("compute_units") else None,
         memory_bandwidth=float(values.get("memory_bandwidth_gbs") or 100) * _GB,
         oversubscribed_latency=float(values["oversubscribed_latency_us"]) * 1e-6 if values.get("oversubscribed_latency_us") else None,
+        dtensor_param_overhead=float(values.get("dtensor_param_overhead_us") or 0.0) * 1e-6,
+        pipeline_action_overhead=float(values.get("pipeline_action_overhead_us") or 0.0) * 1e-6,
     )
 
 

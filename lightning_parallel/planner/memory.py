@@ -96,11 +96,13 @@ def activation_bytes(shape: ModelShape, c: Candidate, layer: int, samples: int) 
 
 
 def working_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> float:
-    """Parameters gathered while computing: ZeRO-2 keeps a stage gathered from forward to backward, ZeRO-3 a layer."""
-    sharded = c.dp > 1 and ((c.engine == "hybrid" and c.zero in (2, 3)) or (c.engine == "deepspeed" and c.zero == 3))
-    if not sharded:
+    """Parameters gathered while computing: FSDP2 keeps the rank's layers unsharded from forward to backward
+    (ZeRO-2, and replicated data parallelism, which runs on FSDP2 with shard groups of one rank: a second copy
+    of the parameters); ZeRO-3 (FSDP2 or DeepSpeed) gathers a layer and prefetches the next."""
+    fsdp = c.dp > 1 and c.engine == "hybrid"
+    if not (fsdp or (c.engine == "deepspeed" and c.zero == 3 and c.dp > 1)):
         return 0.0
     counts = shape.local_counts(c.tp, 1)
     full = [counts[i][0] for i in layers]
-    gathered = sum(full) if (c.engine == "hybrid" and c.zero == 2) else 2 * max(full, default=0)  # 2: prefetch
+    gathered = sum(full) if (fsdp and c.zero in (0, 2)) else 2 * max(full, default=0)  # 2: prefetch
     return shape.param_bytes * gathered

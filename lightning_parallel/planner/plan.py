@@ -64,7 +64,7 @@ def make_plan(shape: ModelShape, cluster: Cluster, world: int, work: Workload,
         else:
             ranked.append(p)
     # Ties (equal predictions) go to the simpler layout: fewer axes in use, lower ZeRO stage, no checkpointing.
-    ranked.sort(key=lambda p: (-round(p.throughput, 9), p.candidate.pp * p.candidate.tp, p.candidate.zero,
+    ranked.sort(key=lambda p: (-float(f"{p.throughput:.9g}"), p.candidate.pp * p.candidate.tp, p.candidate.zero,
                                p.candidate.checkpointing != "none"))
     return Plan(shape, cluster, world, tuple(ranked), tuple(dict.fromkeys(rejected)))  # one row per distinct refusal
 

@@ -101,6 +101,20 @@ def _data_axis_seconds(c: Candidate, cluster: Cluster, local_bytes: float, full_
     return per_batch, 0.0
 
 
+def _dtensor_params(shape: ModelShape, c: Candidate, layers: list[int]) -> int:
+    """DTensor parameter dispatches per step on the rank: every parameter once (optimizer, hooks) under FSDP2 (the
+    hybrid strategy's data axis at any ZeRO stage); under tensor parallelism the sharded layers' parameters also
+    once per micro-batch (their forward and backward run as DTensor operations)."""
+    count = 0
+    if c.engine == "hybrid" and c.dp > 1:
+        count += sum(len(shape.layers[i].params) for i in layers)
+    if c.tp > 1:
+        sharded = sum(len(shape.layers[i].params) for i in layers
+                      if any(p.tp_dim is not None for p in shape.layers[i].params))
+        count += sharded * (c.microbatches * c.accumulate + (0 if count else 1))
+    return count
+
+
 @lru_cache(maxsize=4096)
 def _simulate(schedule: str, pp: int, v: int, m: int, fwd: tuple[float, ...], bwd: tuple[float, ...],
               act: tuple[float, ...], transfer: float) -> Simulated:
@@ -127,6 +141,9 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate) -> Prediction:
     bwd = [sum(times[i][1] for i in s) for s in stages]
     act = [sum(activation_bytes(shape, c, i, micro) for i in s) for s in stages]
     if c.pp > 1:
+        # Every schedule action also pays the runner's dispatch and its send/recv bookkeeping.
+        fwd = [f + cluster.pipeline_action_overhead for f in fwd]
+        bwd = [b + cluster.pipeline_action_overhead for b in bwd]
         sent = max(shape.layers[s[-1]].output_bytes for s in stages) * micro
         link = cluster.link(c.pp * c.tp, world)
         sim = _simulate(c.schedule, c.pp, c.stages_per_rank, c.microbatches, tuple(fwd), tuple(bwd), tuple(act),
@@ -147,6 +164,7 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate) -> Prediction:
         full = shape.param_bytes * sum(shape.local_counts(c.tp, 1)[i][0] for i in layers)
         per_batch, sync = _data_axis_seconds(c, cluster, params, full, len(layers))
         optimizer = slowdown * 2 * (params + grads + optim) / cluster.memory_bandwidth
+        optimizer += slowdown * cluster.dtensor_param_overhead * _dtensor_params(shape, c, layers)
         rank_step = c.accumulate * (batch_time + per_batch) + sync + optimizer
         if rank_step > step:
             step, comm = rank_step, c.accumulate * per_batch + sync

@@ -11,6 +11,7 @@ partition uses.
 from __future__ import annotations
 
 import fnmatch
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import lru_cache
@@ -145,8 +146,19 @@ def _layer_timer(layers: Sequence[nn.Module], sample: Tensor, rounds: int = 3):
         big_runs = [measure_layer_times(layers, sample, repeats=3) for _ in range(rounds)]
         return [min(r) for r in zip(*small_runs)], [min(r) for r in zip(*big_runs)]
 
+    # Structurally identical layers (the blocks) take one time: the median over them, which a burst of
+    # load on a shared machine moves less than any single layer's.
+    signature = [tuple((type(m).__name__, tuple(p.shape)) for m in layer.modules() for p in m.parameters(recurse=False))
+                 for layer in layers]
+
+    def same_layers(times: list[float]) -> list[float]:
+        groups: dict[tuple, list[float]] = {}
+        for key, t in zip(signature, times):
+            groups.setdefault(key, []).append(t)
+        return [statistics.median(groups[key]) for key in signature]
+
     def seconds(micro_batch: int) -> tuple[float, ...]:
-        small, large = ends()
+        small, large = (same_layers(t) for t in ends())
         if big == 1:
             return tuple(s * micro_batch for s in small)
         return tuple(max(0.0, s + (micro_batch - 1) * (b - s) / (big - 1)) for s, b in zip(small, large))

@@ -29,6 +29,8 @@ CASES = [
     ("missing_checkpoint", "ckpt_path=missing.ckpt", ["ckpt_path=missing.ckpt does not exist"], "resume=<run folder>"),
     ("run_folder_as_checkpoint", "ckpt_path={tmp}/old_run", ["ckpt_path={tmp}/old_run is a run folder"], "continue it with resume={tmp}/old_run"),
     ("resume_not_a_run", "resume={tmp}/nothing_here", ["resume={tmp}/nothing_here: not a run folder"], "give a folder lp-train made"),
+    ("fp16_under_tensor", "strategy=tensor trainer.devices=2 trainer.precision=16-mixed",
+     ["precision='16-mixed' is not supported"], "use 'bf16-mixed'"),
     ("another_runs_folder", "hydra.run.dir={tmp}/old_run", ["{tmp}/old_run already holds run abc123"], "continue that run with resume={tmp}/old_run"),
 ]
 CLI_CASES = ("max_step_typo", "gpu_without_cuda")

@@ -32,9 +32,12 @@ def _load(rank, world_size, root, sizes):
 def test_a_checkpoint_saved_under_hsdp_with_pipeline_loads_under_other_layouts(tmp_path):
     saved = run_processes(_save, 8, str(tmp_path), timeout=900)
     [(reference, single)] = run_processes(_load, 1, str(tmp_path), {}, timeout=600)
-    assert max_abs_difference(saved[0], reference[:BATCHES]) < TOL  # HSDP x pp2 trains as one process
-    assert max_abs_difference(single, reference[BATCHES:]) < TOL
+    diffs = {"hsdp2x2xpp2 epoch 0": max_abs_difference(saved[0], reference[:BATCHES]),  # trains as one process
+             "loaded by one process": max_abs_difference(single, reference[BATCHES:])}
+    print("max |loss diff|:", diffs)
+    assert all(d < TOL for d in diffs.values()), diffs
     for rank, (_, losses) in enumerate(run_processes(_load, 4, str(tmp_path), {"data_parallel_size": 1,
                                                      "pipeline_parallel_size": 2, "tensor_parallel_size": 2}, timeout=600)):
         diff = max_abs_difference(losses, reference[BATCHES:])
+        print(f"loaded by pp2 x tp2, rank {rank}: {diff:.2e}")
         assert diff < TOL, f"pp2 x tp2 rank {rank}: {diff:.2e}"

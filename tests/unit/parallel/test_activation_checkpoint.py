@@ -113,6 +113,8 @@ def test_choices_that_would_checkpoint_nothing_are_refused_before_any_process():
     layout = ParallelLayout.resolve(1)
     with pytest.raises(ValueError, match="'blocks.\\*.attention' names no submodule.*blocks.0"):
         check_module(_gpt(), layout, ParallelOptions(activation_checkpointing=["blocks.*.attention"]))
+    with pytest.raises(ValueError, match="'blocks', a container without forward.*'blocks.\\*'"):
+        check_module(_gpt(), layout, ParallelOptions(activation_checkpointing=["blocks"]))
     with pytest.raises(ValueError, match="neither pipeline_layers.*list of globs"):
         check_module(nn.Sequential(nn.Linear(4, 4)), layout, ParallelOptions(activation_checkpointing="full"))
     options = ParallelOptions(activation_checkpointing=["blocks.*"])  # a list from Hydra becomes a tuple

@@ -63,7 +63,7 @@ def test_a_memory_cap_refuses_replicas_and_says_why(gpt_shape) -> None:
     refused = {r.label: r.reason for r in plan.rejected}
     assert refused["dp4 b8"].startswith("does not fit")
     assert plan.ranked and all(p.memory.total <= capped.memory_per_device for p in plan.ranked)
-    predicted = [p.throughput for p in plan.ranked]
+    predicted = [float(f"{p.throughput:.9g}") for p in plan.ranked]
     assert predicted == sorted(predicted, reverse=True)
 
 
