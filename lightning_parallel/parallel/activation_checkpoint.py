@@ -26,7 +26,7 @@ Note:
     (as FSDP2's ``fully_shard`` swaps classes). Not ``checkpoint_wrapper``: it inserts
     ``_checkpoint_wrapped_module.`` into parameter names, and the suite's checkpoints, plans
     and pipeline stages key on the unwrapped names. Not the names-preserving
-    ``torch.distributed._composable.checkpoint``: it is a private module path and needs
+    composable ``checkpoint`` (torch.distributed, a private module path): it needs
     torch's private ``_checkpoint_without_reentrant_generator`` to do the same.
     Parameter names, ``state_dict`` keys and module identities stay as they were, so the
     pipeline stages (which hold the very layer objects) and FSDP2 (applied after) see the
