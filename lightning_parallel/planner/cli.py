@@ -44,7 +44,7 @@ def measure(line: list[str], user: list[str], steps: int, timeout: float = 900) 
     """
     with tempfile.TemporaryDirectory(prefix="lp-plan-") as folder:
         command = [sys.executable, "-m", "lightning_parallel.train", *user, *line, f"trainer.max_steps={steps}",
-                   "trainer.limit_val_batches=0", "logger=none", "callbacks=none", "trainer.enable_progress_bar=false",
+                   "++trainer.limit_val_batches=0", "logger=none", "callbacks=none", "++trainer.enable_progress_bar=false",
                    "+callbacks.throughput._target_=lightning_parallel.callbacks.ThroughputReport",
                    "+callbacks.throughput.warmup_batches=3", f"hydra.run.dir={folder}/run"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
@@ -110,7 +110,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             best = next(p for p in plan.ranked if p.candidate.name == max(done, key=done.get))
     line = " ".join(overrides(best.candidate, work, per_node, nodes))
     print_plan(plan, line, args.top, measured, best=best.candidate.name)
-    if measured:
+    if measured and any(measured.values()):
         print(f"measured best: {best.candidate.name} (predicted rank {plan.ranked.index(best) + 1})")
 
 
