@@ -316,7 +316,8 @@ def _wrap_data_axis(module: nn.Module, layout: ParallelLayout, options: Parallel
     # (4) zero_stage=0 keeps its parameters in their own dtype (no FSDP2 cast); reductions are fp32.
     policy = fsdp_policy(precision, options, layout)
     roots = stages or _data_axis_roots(module)
-    shard_data_axis(_data_axis_layers(module, split), roots, dp_mesh, options.zero_stage, policy, options.bucket_bytes)
+    shard_data_axis(_data_axis_layers(module, split), roots, dp_mesh, options.zero_stage, policy, options.bucket_bytes,
+                    options.fsdp_prefetch)
 
 
 def parallelize(

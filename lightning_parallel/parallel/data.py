@@ -93,6 +93,7 @@ def shard_data_axis(
     zero_stage: int,
     mp_policy: Optional[Any] = None,
     bucket_bytes: int = 0,
+    prefetch: Optional[int] = None,
 ) -> None:
     """Apply FSDP2 ``fully_shard`` per layer (or bucket of layers), then to each root, over the data mesh.
 
@@ -110,16 +111,65 @@ def shard_data_axis(
         mp_policy: FSDP2's ``MixedPrecisionPolicy`` (None: FSDP2's default, full precision).
         bucket_bytes: consecutive layers join one FSDP2 unit (one collective) until their
             parameters reach this many bytes, as DDP fills its buckets; 0: one unit per layer.
+        prefetch: each layer prefetches the all-gathers of this many following layers of its
+            root in forward, and of as many preceding ones in backward (see :func:`set_prefetch`);
+            None: FSDP2's default. Needs one unit per layer (``bucket_bytes=0``, as under ZeRO 2/3).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs = {"mesh": dp_mesh, "reshard_after_forward": zero_stage == 3,
               "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy()}
-    for bucket in layer_buckets([layer for layer in layers if has_parameters(layer)], bucket_bytes):
-        # A list is one unit: its modules may run apart in the iteration (torch >= 2.13).
-        fully_shard(bucket if len(bucket) > 1 else bucket[0], **kwargs)
+    for group in _layers_by_root([layer for layer in layers if has_parameters(layer)], roots):
+        # A bucket never spans two roots: under interleaved schedules a rank's stages run as
+        # separate FSDP2 roots, and a unit shared by two of them fails their lazy init.
+        for bucket in layer_buckets(group, bucket_bytes):
+            # A list is one unit: its modules may run apart in the iteration (torch >= 2.13).
+            fully_shard(bucket if len(bucket) > 1 else bucket[0], **kwargs)
     for root in roots:
         fully_shard(root, **kwargs)
+    if prefetch is not None:
+        if bucket_bytes:
+            raise ValueError(f"prefetch={prefetch} counts layers, but bucket_bytes={bucket_bytes} groups layers into "
+                             "one unit: pass bucket_bytes=0.")
+        # Per root, i.e. per pipeline stage: a rank's next stage runs only after other micro-batches.
+        for group in _layers_by_root([layer for layer in layers if has_parameters(layer)], roots):
+            set_prefetch(group, prefetch)
+
+
+def set_prefetch(units: Sequence[nn.Module], depth: int) -> None:
+    """Make each FSDP2 unit prefetch the all-gathers of the next ``depth`` units in forward and of the previous
+    ``depth`` in backward (FSDP2's public ``set_modules_to_forward_prefetch``/``set_modules_to_backward_prefetch``).
+
+    FSDP2's default issues one layer's all-gather ahead (forward: when the layer before it
+    runs; backward: by the reverse forward order); ``depth >= 2`` keeps more all-gathers in
+    flight, for more overlap on slow links at the memory of ``depth`` gathered layers. Under
+    ``zero_stage=2`` parameters stay gathered from forward to backward, so only the forward
+    prefetch matters there.
+
+    Args:
+        units: FSDP2 modules in forward execution order (the layers of one root).
+        depth: how many units ahead to prefetch (>= 1).
+    """
+    for i, unit in enumerate(units):
+        ahead, behind = list(units[i + 1:i + 1 + depth]), list(reversed(units[max(0, i - depth):i]))
+        if ahead:
+            unit.set_modules_to_forward_prefetch(ahead)
+        if behind:
+            unit.set_modules_to_backward_prefetch(behind)  # backward runs the layers in reverse: nearest first
+
+
+def _layers_by_root(layers: Sequence[nn.Module], roots: Sequence[nn.Module]) -> list[list[nn.Module]]:
+    """Consecutive runs of ``layers`` that sit under the same root (each pipeline stage is a root)."""
+    owner = {id(sub): index for index, root in enumerate(roots) for sub in root.modules()}
+    runs: list[list[nn.Module]] = []
+    previous = None
+    for layer in layers:
+        root = owner.get(id(layer))
+        if not runs or root != previous:
+            runs.append([])
+        runs[-1].append(layer)
+        previous = root
+    return runs
 
 
 def layer_buckets(layers: Sequence[nn.Module], bucket_bytes: int) -> list[list[nn.Module]]:

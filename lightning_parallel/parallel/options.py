@@ -99,10 +99,15 @@ class ParallelOptions:
             None for both: shard over the whole data axis (``zero_stage=0`` replicates it whole).
         comm_hook: DDP's gradient compression by its Lightning name: ``"none"`` or ``"bf16"``
             (FSDP2's form of it: ``reduce_dtype="bfloat16"``); ``"fp16"`` and ``"powersgd"`` have
-            no FSDP2 form and are refused (see :mod:`lightning_parallel.parallel.data`).
+            no FSDP2 form and are refused (see :mod:`lightning_parallel.parallel.data`); data-parallel-only
+            runs get them from ``strategy=ddp`` (:mod:`lightning_parallel.strategies.ddp_comm`).
         bucket_size_mb: ``zero_stage=0``: consecutive layers share one gradient all-reduce until
             their parameters reach this size (DDP's ``bucket_cap_mb``; default 25, 0: one per
             layer). ZeRO 2/3 keep one FSDP2 unit per layer (the unit is what is gathered).
+        fsdp_prefetch: ``zero_stage`` 2/3: each layer's FSDP2 unit issues the all-gathers of the next
+            ``fsdp_prefetch`` layers of its stage in forward (and of the previous ones in backward)
+            ahead of time (``FSDPModule.set_modules_to_forward_prefetch``/``..._backward_prefetch``);
+            None: FSDP2's default (the next layer, issued when its own forward or backward starts).
 
     Raises:
         ValueError: any option that cannot work, naming the fix.
@@ -128,6 +133,7 @@ class ParallelOptions:
     data_shard_size: Optional[int] = None
     comm_hook: str = "none"
     bucket_size_mb: Optional[float] = None
+    fsdp_prefetch: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
@@ -156,15 +162,17 @@ class ParallelOptions:
         check_dtype_option("reduce_dtype", self.reduce_dtype, allow_none=False)
         self._check_data_split()
         self._check_bucket()
+        self._check_prefetch()
 
     def _apply_comm_hook(self) -> None:
         refused = {
             "fp16": "fp16 gradients overflow without loss scaling, which the suite does not run: use "
-                    "comm_hook='bf16' (same bytes, fp32's exponent range)",
+                    "comm_hook='bf16' (same bytes, fp32's exponent range), or for a data-parallel-only layout "
+                    "strategy=ddp strategy.comm_hook=fp16 (DDP's fp16_compress_hook)",
             "powersgd": "PowerSGD needs DDP's reducer (its hook replaces DDP's bucket all-reduce); the data axis runs "
                         "on FSDP2, which composes with tensor and pipeline parallelism but has no communication hooks "
-                        "(only reduce_dtype). Use comm_hook='bf16' to halve the bytes, or strategy=ddp with Lightning's "
-                        "DDPStrategy(ddp_comm_hook=...) for a data-parallel-only run",
+                        "(only reduce_dtype). Use comm_hook='bf16' to halve the bytes, or for a data-parallel-only "
+                        "layout strategy=ddp strategy.comm_hook=powersgd (DDP with torch's PowerSGD hook)",
         }
         if self.comm_hook in refused:
             raise ValueError(f"comm_hook={self.comm_hook!r} cannot run here: {refused[self.comm_hook]}.")
@@ -184,6 +192,19 @@ class ParallelOptions:
                 f"bucket_size_mb={size} groups layers into one all-reduce under zero_stage=0; with zero_stage="
                 f"{self.zero_stage} FSDP2 gathers and reduce-scatters one layer at a time (a bigger unit holds more "
                 "gathered parameters). Drop bucket_size_mb, or use zero_stage=0."
+            )
+
+    def _check_prefetch(self) -> None:
+        depth = self.fsdp_prefetch
+        if depth is None:
+            return
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"fsdp_prefetch={depth!r} must be an integer >= 1 (layers prefetched ahead), or null for "
+                             "FSDP2's default.")
+        if not self.zero_stage:
+            raise ValueError(
+                f"fsdp_prefetch={depth} issues the all-gathers of sharded parameters early, but zero_stage=0 keeps "
+                "the whole model on every data rank (nothing is gathered). Use zero_stage=2 or 3, or drop fsdp_prefetch."
             )
 
     @property
@@ -215,4 +236,4 @@ class ParallelOptions:
         """What decides how a module is split and sharded (a parallelised module cannot change them)."""
         return (self.schedule, self.stages_per_rank, self.partition, self.zero_stage, self.sequence_parallel,
                 self.loss_parallel, repr(self.plan), self.activation_checkpointing, self.param_dtype, self.reduce_dtype,
-                self.data_replicate_size, self.data_shard_size, self.bucket_size_mb)
+                self.data_replicate_size, self.data_shard_size, self.bucket_size_mb, self.fsdp_prefetch)

@@ -92,6 +92,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         comm_hook: ``"none"`` or ``"bf16"`` (gradients reduced in bf16: ``reduce_dtype="bfloat16"``);
             DDP's ``fp16``/``powersgd`` hooks have no FSDP2 form and are refused with the reason.
         bucket_size_mb: ``zero_stage=0`` only: layers per gradient all-reduce, DDP's ``bucket_cap_mb`` (25).
+        fsdp_prefetch: ``zero_stage`` 2/3 only: layers whose all-gathers each layer issues ahead in
+            forward and backward (FSDP2's explicit prefetch); None: FSDP2's default.
 
     ``ckpt_path`` may name the suite's folder, a Lightning single-file checkpoint (single
     device, DDP, FSDP full state), a Lightning DCP folder (``ModelParallelStrategy``,
@@ -129,6 +131,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         data_shard_size: Optional[int] = None,
         comm_hook: str = "none",
         bucket_size_mb: Optional[float] = None,
+        fsdp_prefetch: Optional[int] = None,
     ) -> None:
         self.load_optimizer_state = _checked_load_optimizer_state(load_optimizer_state)
         self.options = ParallelOptions(
@@ -136,7 +139,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             partition, stages_per_rank, sequence_parallel, loss_parallel, plan, save_distributed_checkpoint, timeout,
             activation_checkpointing=activation_checkpointing, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
             data_replicate_size=data_replicate_size, data_shard_size=data_shard_size, comm_hook=comm_hook,
-            bucket_size_mb=bucket_size_mb,
+            bucket_size_mb=bucket_size_mb, fsdp_prefetch=fsdp_prefetch,
         )
         super().__init__(
             data_parallel_size=data_parallel_size,

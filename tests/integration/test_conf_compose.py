@@ -27,6 +27,11 @@ def test_every_group_has_options():
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}/{o}" for g, o in OPTIONS])
 def test_option_composes_and_resolves(group, option):
+    if group == "cluster":  # not a Hydra group: cluster descriptions the planner reads (strategy.cluster, lp-plan --cluster)
+        from lightning_parallel.planner.cluster import load_cluster
+
+        assert load_cluster(option, Path(CONFIG_DIR)).devices_per_node >= 1
+        return
     if group == "hparams_search":
         pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e '.[sweep]'")
     # compare/ is not in lp-train's defaults (lp-compare adds it), so it composes as an addition.

@@ -64,6 +64,9 @@ def test_replicated_data_parallel_on_two_processes_matches_one_process():
 def test_replicated_with_pipeline_or_tensor_and_hsdp_on_four_processes_match_one_process():
     cases = {
         "dp2xpp2/accumulate2": _case(partial(Hybrid, pipeline_parallel_size=2), 2, ACCUMULATE),
+        # Two stages per rank: each stage is its own FSDP2 root, so no gradient bucket may span both.
+        "dp2xpp2/interleaved": _case(partial(Hybrid, pipeline_parallel_size=2, schedule="interleaved_1f1b",
+                                             stages_per_rank=2), 2, CLIP),
         "dp2xtp2/accumulate2": _case(partial(Hybrid, tensor_parallel_size=2), 2, ACCUMULATE),
         "hsdp2x2/zero2/accumulate2": _case(partial(Hybrid, zero_stage=2, data_shard_size=2), 4, ACCUMULATE),
         "hsdp2x2/zero3": _case(partial(Hybrid, zero_stage=3, data_replicate_size=2), 4, CLIP),

@@ -16,11 +16,12 @@ pytestmark = pytest.mark.slow
 GLOBAL_BATCH = 16
 STEPS = 10
 CLIP = {"gradient_clip_val": 0.5}
-# |loss - one process in fp32| over 10 steps, measured on this model: fp16 ~1e-6-ish, bf16 ~1e-4, PowerSGD
-# rank 1 from step 2 ~1e-2 (see the test's print). The bounds leave about 10x headroom.
-FP16_BOUND = 1e-4
+# max |loss - one process in fp32| over the 10 steps, measured here (the test prints it): fp16 4.2e-5, bf16
+# 2.2e-4 (bf16 has 3 mantissa bits fewer), PowerSGD rank 1 from step 2 8.2e-2. The bounds
+# leave about 4-10x headroom; the results are deterministic on one machine.
+FP16_BOUND = 5e-4
 BF16_BOUND = 2e-3
-POWERSGD_BOUND = 0.1
+POWERSGD_BOUND = 0.3
 CASES = {
     "none": {},
     "fp16": {"comm_hook": "fp16"},
@@ -57,7 +58,7 @@ def test_ddp_comm_hooks_stay_within_their_bound_of_one_process_and_are_called_ev
     reference = run_processes(fit_losses, 1, "auto", GLOBAL_BATCH, 1, steps=STEPS, optimizer="adamw",
                               trainer_kwargs=CLIP)[0]
     diffs = {name: [max_abs_difference(r[name]["losses"], reference) for r in per_rank] for name in CASES}
-    print("max |loss - one process| per rank:", {n: [f"{d:.2e}" for d in v] for n, v in diffs.items()})
+    print(f"one process: loss {reference[0]:.4f} -> {reference[-1]:.4f}; max |loss - one process| per rank:", {n: [f"{d:.2e}" for d in v] for n, v in diffs.items()})
 
     assert max(diffs["none"]) < 1e-5  # exact DDP: the control that the comparison resolves 1e-5
     assert all(r["none"]["calls"] == 0 for r in per_rank)
