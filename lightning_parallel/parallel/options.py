@@ -106,7 +106,7 @@ class ParallelOptions:
             layer). ZeRO 2/3 keep one FSDP2 unit per layer (the unit is what is gathered).
         fsdp_prefetch: ``zero_stage`` 2/3: each layer's FSDP2 unit issues the all-gathers of the next
             ``fsdp_prefetch`` layers of its stage in forward (and of the previous ones in backward)
-            ahead of time (``FSDPModule.set_modules_to_forward_prefetch``/``..._backward_prefetch``);
+            ahead of time (FSDP2's ``set_modules_to_forward_prefetch`` and its backward twin);
             None: FSDP2's default (the next layer, issued when its own forward or backward starts).
 
     Raises:

@@ -7,7 +7,7 @@ public hooks (``torch.distributed.algorithms.ddp_comm_hooks``) on the
 
 Note:
     Why a subclass and not ``DDPStrategy(ddp_comm_hook=...)``: Lightning 2.6 registers the hook
-    only when the root device is CUDA (``DDPStrategy._register_ddp_hooks``, a check from torch
+    only when the root device is CUDA (its private ``_register_ddp_hooks``, a check from torch
     1.8's NCCL-only hooks) and silently ignores it on CPU. torch's hooks run on gloo as well
     (all-reduce of fp16 and bf16 tensors included), so :class:`CommHookDDPStrategy` registers the
     hook itself through DDP's public ``register_comm_hook`` on every device, and passes nothing to

@@ -92,8 +92,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         comm_hook: ``"none"`` or ``"bf16"`` (gradients reduced in bf16: ``reduce_dtype="bfloat16"``);
             DDP's ``fp16``/``powersgd`` hooks have no FSDP2 form and are refused with the reason.
         bucket_size_mb: ``zero_stage=0`` only: layers per gradient all-reduce, DDP's ``bucket_cap_mb`` (25).
-        fsdp_prefetch: ``zero_stage`` 2/3 only: layers whose all-gathers each layer issues ahead in
-            forward and backward (FSDP2's explicit prefetch); None: FSDP2's default.
+        fsdp_prefetch: ``zero_stage`` 2/3: layers each layer prefetches (FSDP2); None: FSDP2's default.
 
     ``ckpt_path`` may name the suite's folder, a Lightning single-file checkpoint (single
     device, DDP, FSDP full state), a Lightning DCP folder (``ModelParallelStrategy``,

@@ -32,3 +32,12 @@ def test_zero3_and_zero2_with_prefetch_match_one_process():
     # Negative control: the comparison tells another optimisation (half the global batch) apart.
     other = reference_losses({"half batch": _case(None, global_batch=8)})["half batch"]
     assert max_abs_difference(other, reference["dp2/zero3/prefetch2"]) > 1e-3
+
+
+@pytest.mark.extended
+def test_prefetch_within_pipeline_stages_matches_one_process():
+    cases = {"dp2xpp2/zero3/prefetch2": _case(partial(Hybrid, pipeline_parallel_size=2, zero_stage=3, fsdp_prefetch=2)),
+             "hsdp2x2/zero3/prefetch2": {**_case(partial(Hybrid, zero_stage=3, data_shard_size=2, fsdp_prefetch=2)),
+                                         "data_parallel": 4}}
+    per_rank = run_processes(fit_cases, 4, cases, timeout=900)
+    print("max |diff| per case:", assert_parity(per_rank, reference_losses(cases), tol=TOL))
