@@ -10,15 +10,6 @@ from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.testing.models import ResidualMLP
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    layout = ParallelLayout(1, 1, 1, 1)
-    yield layout, layout.build_mesh("cpu")
-    dist.destroy_process_group()
-
-
 def test_a_world_of_one_leaves_the_module_whole(world_of_one):
     layout, mesh = world_of_one
     module = ResidualMLP(width=16, depth=2)

@@ -2,22 +2,11 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallel.compose import parallelize
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.testing.models import ResidualMLP
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    layout = ParallelLayout(1, 1, 1, 1)
-    yield layout, layout.build_mesh("cpu")
-    dist.destroy_process_group()
 
 
 def _recording(monkeypatch, name):
