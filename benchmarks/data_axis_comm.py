@@ -95,10 +95,9 @@ def _flat_all_reduce(module: torch.nn.Module, group: Any) -> None:
 
 def _build(rank: int, spec: dict, width: int, depth: int) -> dict:
     """One layout on this rank: its module, optimizer, reduction group and the axes its groups belong to."""
-    from lightning_parallel import _compat
-    from lightning_parallel.layout import DATA_AXES, DATA_PARALLEL, DATA_REPLICATE, DATA_SHARD, ParallelLayout
+    from lightning_parallel.layout import DATA_PARALLEL, DATA_REPLICATE, DATA_SHARD, ParallelLayout
     from lightning_parallel.parallel.compose import parallelize
-    from lightning_parallel.parallel.data import data_mesh_shape
+    from lightning_parallel.parallel.data import build_data_mesh
     from lightning_parallel.parallel.options import ParallelOptions
     from lightning_parallel.testing.models import ResidualMLP
 
@@ -109,8 +108,7 @@ def _build(rank: int, spec: dict, width: int, depth: int) -> dict:
     module = ResidualMLP(width=width, depth=depth)
     group = mesh[DATA_PARALLEL].get_group() if spec.get("after_backward") else None
     if spec.get("zero_stage") is not None and group is None:
-        shape = data_mesh_shape(layout, spec["zero_stage"])
-        data_mesh = _compat.unflatten_mesh_dim(mesh, DATA_PARALLEL, shape, DATA_AXES) if shape else None
+        data_mesh = build_data_mesh(layout, mesh, spec["zero_stage"])
         options = ParallelOptions(data_parallel_size=world, zero_stage=spec["zero_stage"],
                                   bucket_size_mb=spec.get("bucket_size_mb"))
         parallelize(module, layout, mesh, options, rank, data_mesh=data_mesh)

@@ -58,6 +58,21 @@ def uses_data_axis(layout: ParallelLayout, zero_stage: int) -> bool:
     return bool(zero_stage) or layout.data_parallel_enabled
 
 
+def build_data_mesh(layout: ParallelLayout, mesh: DeviceMesh, zero_stage: int) -> Optional[DeviceMesh]:
+    """``mesh`` with its data axis unflattened into ``(data_replicate, data_shard)`` of :func:`data_mesh_shape`,
+    or None when the 1-D data axis serves (a collective: every rank calls it once, after the mesh is built).
+
+    Args:
+        layout: the resolved layout.
+        mesh: the 3-D run mesh ``layout.build_mesh`` made.
+        zero_stage: the run's ZeRO stage.
+    """
+    from lightning_parallel import _compat
+
+    shape = data_mesh_shape(layout, zero_stage)
+    return _compat.unflatten_mesh_dim(mesh, DATA_PARALLEL, shape, DATA_AXES) if shape is not None else None
+
+
 def data_axis_mesh(
     layout: ParallelLayout, zero_stage: int, mesh: DeviceMesh, data_mesh: Optional[DeviceMesh]
 ) -> DeviceMesh:
@@ -81,7 +96,7 @@ def data_axis_mesh(
         raise ValueError(
             f"zero_stage={zero_stage} on {layout.describe()} reduces gradients over a {shape[0]} x {shape[1]} "
             f"(data_replicate, data_shard) mesh, but data_mesh is {found}: pass data_mesh="
-            f"_compat.unflatten_mesh_dim(mesh, 'data_parallel', {shape}, {DATA_AXES})."
+            f"build_data_mesh(layout, mesh, {zero_stage}) (lightning_parallel.parallel.data)."
         )
     return data_mesh[DATA_AXES]
 

@@ -31,11 +31,11 @@ from lightning_parallel.checkpoints import optimizer_state_dict, resolve_checkpo
 from lightning_parallel.checkpoints.hf_metadata import add_hugging_face_entry
 from lightning_parallel.checkpoints.resume import resume_from
 from lightning_parallel.checkpoints.to_lightning import parameter_order_entry
-from lightning_parallel.layout import DATA_AXES, DATA_PARALLEL, PIPELINE_PARALLEL, ParallelLayout, Size
+from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout, Size
 from lightning_parallel.parallel import pipeline_tied
 from lightning_parallel.parallel.activation_checkpoint import describe_choice
 from lightning_parallel.parallel.compose import Parallelized, check_module, parallelize
-from lightning_parallel.parallel.data import data_mesh_shape, deferred_gradient_sync
+from lightning_parallel.parallel.data import build_data_mesh, deferred_gradient_sync
 from lightning_parallel.parallel.options import ZERO_DESCRIPTIONS, ParallelOptions
 from lightning_parallel.parallel.partition import measure_layer_times
 from lightning_parallel.parallel.pipeline import PipelineSplit
@@ -221,9 +221,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         check_precision(self.precision_plugin.precision, self.options, self.layout)
         _compat.init_model_parallel_process_group(self)
         self._mesh = self.layout.build_mesh(self.root_device.type)
-        shape = data_mesh_shape(self.layout, self.options.zero_stage)
-        if shape is not None:
-            self._data_mesh = _compat.unflatten_mesh_dim(self._mesh, DATA_PARALLEL, shape, DATA_AXES)
+        self._data_mesh = build_data_mesh(self.layout, self._mesh, self.options.zero_stage)
         _compat.set_module_device_mesh(self.lightning_module, self._mesh)
 
     @override

@@ -29,13 +29,13 @@ import torch.distributed as dist
 from lightning_parallel.adapters.hf import causal_lm_loss_terms, causal_lm_valid_count
 from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL, ParallelLayout
 from lightning_parallel.parallel.compose import parallelize
+from lightning_parallel.parallel.data import build_data_mesh as data_mesh
 from lightning_parallel.parallel.gradients import total_grad_norm
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.pipeline import PipelineRunner
 from lightning_parallel.parallel.pipeline_tied import TIED_COPY_ATTR
 from lightning_parallel.protocol import split_batch
 from lightning_parallel.testing import run_processes
-from tests.distributed.parallel.data_mesh import data_mesh
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
 pytestmark = pytest.mark.slow

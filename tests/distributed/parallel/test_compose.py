@@ -17,12 +17,12 @@ import torch.distributed as dist
 
 from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL, ParallelLayout
 from lightning_parallel.parallel.compose import parallelize
+from lightning_parallel.parallel.data import build_data_mesh as data_mesh
 from lightning_parallel.parallel.data import deferred_gradient_sync
 from lightning_parallel.parallel.gradients import clip_grad_norm_
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.pipeline import PipelineRunner
 from lightning_parallel.testing import max_abs_difference, run_processes
-from tests.distributed.parallel.data_mesh import data_mesh
 from tests.distributed.parallel.tp_runs import BATCH, batches, tiny_gpt
 
 pytestmark = pytest.mark.slow

@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallel.compose import parallelize
+from lightning_parallel.parallel.data import build_data_mesh as data_mesh
 from lightning_parallel.parallel.data import deferred_gradient_sync
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.testing import run_processes
 from lightning_parallel.testing.models import ResidualMLP
-from tests.distributed.parallel.data_mesh import data_mesh
 
 pytestmark = pytest.mark.slow
 BATCH, WIDTH, TOL = 8, 32, 1e-6
