@@ -22,6 +22,7 @@ Note:
 from __future__ import annotations
 
 import contextlib
+import copy
 import shutil
 import warnings
 from collections.abc import Iterator, Sequence
@@ -77,6 +78,28 @@ def write_shards(path: Path, state: dict[str, Any], no_dist: bool = False) -> Pa
     return partial
 
 
+def _plain_values(value: Any) -> Any:
+    """``value`` with every OmegaConf container inside turned into dicts and lists.
+
+    Hydra hands a LightningModule its arguments as ``DictConfig``/``ListConfig``, which
+    ``save_hyperparameters`` keeps; ``meta.pt`` is read back with ``weights_only=True``
+    (:func:`~lightning_parallel.checkpoints.safe_loading.load_plain`), which refuses them, so a run
+    could not resume from its own checkpoint. Other objects are left as they are.
+    """
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    if isinstance(value, dict):
+        plain = copy.copy(value)  # a dict subclass stays what it was
+        for key, item in value.items():
+            plain[key] = _plain_values(item)
+        return plain
+    if type(value) in (list, tuple):
+        return type(value)(_plain_values(item) for item in value)
+    return value
+
+
 def commit(path: Path, metadata: dict[str, Any]) -> None:
     """Coordinator only: add Lightning's metadata and make the checkpoint visible under ``path``.
 
@@ -90,7 +113,7 @@ def commit(path: Path, metadata: dict[str, Any]) -> None:
         metadata: Lightning's checkpoint dict without the sharded state (saved as ``meta.pt``).
     """
     partial = partial_path(path)
-    torch.save(metadata, partial / METADATA_FILE)
+    torch.save(_plain_values(metadata), partial / METADATA_FILE)
     old = _old_path(path)
     if old.exists():
         shutil.rmtree(old)

@@ -84,3 +84,19 @@ def test_a_malicious_pickle_is_refused_without_running_it(dcp_folder, target):
     with pytest.raises(CheckpointRefused, match="Refusing"):
         load_sharded_checkpoint(path, module, [optim])
     assert not os.path.exists("/tmp/lightning_parallel_pwned_unit")
+
+
+def test_hydra_containers_in_hyperparameters_are_saved_as_plain_values_the_safe_reader_accepts(tmp_path):
+    from omegaconf import OmegaConf
+
+    module, optimizer = _fresh()
+    overrides = OmegaConf.create({"num_hidden_layers": 4, "layer_types": ["full", "sliding"]})
+    metadata = {"global_step": 7, "hyper_parameters": {"config_overrides": overrides, "lr": 1e-3}}
+    path = save_on_one_process(tmp_path / "ckpt", {"state_dict": module.state_dict()}, metadata)
+    loaded = load_sharded_checkpoint(path, _fresh(seed=2)[0], [])  # weights_only=True: OmegaConf objects are refused
+    assert loaded["global_step"] == 7
+    hparams = loaded["hyper_parameters"]
+    assert hparams["lr"] == 1e-3
+    assert hparams["config_overrides"] == {"num_hidden_layers": 4, "layer_types": ["full", "sliding"]}
+    assert type(hparams["config_overrides"]) is dict and type(hparams["config_overrides"]["layer_types"]) is list
+    assert OmegaConf.is_config(metadata["hyper_parameters"]["config_overrides"])  # the caller's dict is untouched
