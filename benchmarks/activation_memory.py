@@ -100,7 +100,7 @@ def _build(rank: int, world_size: int, sizes: tuple, zero_stage: int, mode: str,
     from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout
     from lightning_parallel.parallel.compose import parallelize
     from lightning_parallel.parallel.options import ParallelOptions
-    from lightning_parallel.parallel.pipeline import PipelineRunner
+    from lightning_parallel.parallel.pipeline.runner import PipelineRunner
 
     layout = ParallelLayout(world_size, *sizes)
     mesh = layout.build_mesh("cpu")

@@ -50,7 +50,7 @@ def planned_gpt_class() -> type:
     """The GPT recipe with the same tensor-parallel plan applied in ``configure_model`` (for Lightning's
     ``ModelParallelStrategy``, the anchor of ``tensor_parallel``)."""
     from examples.nlp.model import GPT
-    from lightning_parallel.parallel.tensor import apply_tensor_parallel, resolve_plan
+    from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, resolve_plan
 
     class PlannedGPT(GPT):
         """GPT that shards itself over ``device_mesh["tensor_parallel"]`` with its own plan."""

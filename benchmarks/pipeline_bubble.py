@@ -90,9 +90,11 @@ def _rank(rank: int, world_size: int, schedules: dict, microbatches: list, steps
     import torch.distributed as dist
 
     from examples.nlp.model import GPT
-    from lightning_parallel.parallel.partition import partition_layers
-    from lightning_parallel.parallel.pipeline import PipelineRunner, split_module, stage_ids_for_rank
-    from lightning_parallel.parallel.timeline import StageTimeline
+    from lightning_parallel.parallel.pipeline.partition import partition_layers
+    from lightning_parallel.parallel.pipeline.runner import PipelineRunner
+    from lightning_parallel.parallel.pipeline.schedules import stage_ids_for_rank
+    from lightning_parallel.parallel.pipeline.stages import split_module
+    from lightning_parallel.parallel.pipeline.timeline import StageTimeline
 
     dist.init_process_group("gloo")
     results = {}
@@ -147,8 +149,8 @@ def measure(stages: int = 2, microbatches: tuple = (4, 8), steps: int = 4, model
         fractions and peak activation bytes per rank; ``timelines[schedule/m]`` is the
         median step's events per rank (for Gantt charts), times relative to its start.
     """
-    from lightning_parallel.parallel.pipeline import available_schedules
-    from lightning_parallel.parallel.timeline import ComputeEvent, median_idle, theoretical_bubble
+    from lightning_parallel.parallel.pipeline.schedules import available_schedules
+    from lightning_parallel.parallel.pipeline.timeline import ComputeEvent, median_idle, theoretical_bubble
     from lightning_parallel.testing import run_processes
 
     model_kwargs = model_kwargs or {"seq_len": 64, "d_model": 128, "n_layer": 4, "n_head": 4}

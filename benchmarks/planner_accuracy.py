@@ -135,9 +135,9 @@ def plan_case(model_kwargs: dict, world: int, cluster_name: str):
     from examples.nlp.model import GPT
     from lightning_parallel.planner.candidates import SearchSpace, Workload
     from lightning_parallel.planner.cluster import load_cluster
-    from lightning_parallel.planner.from_config import CONFIG_DIR
     from lightning_parallel.planner.plan import make_plan
     from lightning_parallel.planner.profile import profile_module
+    from lightning_parallel.runtime.config_dir import CONFIG_DIR
     from lightning_parallel.scaling import Reference
 
     torch.manual_seed(0)

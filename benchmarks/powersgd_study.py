@@ -49,7 +49,7 @@ def _scalars(folder: Path, tag: str) -> list[tuple[int, float]]:
 def run_variant(name: str, overrides: list[str], steps: int, workdir: Path) -> dict[str, Any]:
     """Train one variant with ``lp-train`` on 2 processes; return its curves and final losses."""
     folder = workdir / name.replace(" ", "_")
-    command = [sys.executable, "-m", "lightning_parallel.train", "experiment=nlp_gpt", *SHRUNK, *overrides,
+    command = [sys.executable, "-m", "lightning_parallel.cli.train", "experiment=nlp_gpt", *SHRUNK, *overrides,
                f"trainer.max_steps={steps}", f"hydra.run.dir={folder}"]
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)

@@ -172,7 +172,7 @@ class RawTensor(RawLoop):
     def _build(self, strategy: Any) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from lightning_parallel.parallel.tensor import apply_tensor_parallel, resolve_plan
+        from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, resolve_plan
 
         mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("tensor_parallel",))
         apply_tensor_parallel(self.model, mesh["tensor_parallel"], resolve_plan(self.model, None))
@@ -195,8 +195,10 @@ class RawPipeline(RawLoop):
         self.schedule, self.microbatches, self.spr, self.partition = schedule, microbatches, stages_per_rank, partition
 
     def _build(self, strategy: Any) -> None:
-        from lightning_parallel.parallel.partition import partition_layers
-        from lightning_parallel.parallel.pipeline import PipelineRunner, split_module, stage_ids_for_rank
+        from lightning_parallel.parallel.pipeline.partition import partition_layers
+        from lightning_parallel.parallel.pipeline.runner import PipelineRunner
+        from lightning_parallel.parallel.pipeline.schedules import stage_ids_for_rank
+        from lightning_parallel.parallel.pipeline.stages import split_module
 
         p, num_stages = self.world_size, self.world_size * self.spr
         layers = self.model.pipeline_layers()

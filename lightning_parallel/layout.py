@@ -325,3 +325,24 @@ def _replica_groups(data_parallel: int, replicate: Optional[int], shard: Optiona
     if replicate is not None:
         return replicate
     return data_parallel // shard if shard is not None else 1
+
+
+def rank_map_rows(layout: ParallelLayout, limit: int = 16) -> dict[str, str]:
+    """The rank map: which global ranks form each tensor, pipeline and data group.
+
+    Args:
+        layout: the resolved layout.
+        limit: groups shown per axis before eliding.
+    """
+    rows = {}
+    axes = [("tensor groups", TENSOR_PARALLEL), ("pipeline groups", PIPELINE_PARALLEL), ("data groups", DATA_PARALLEL)]
+    if layout.hsdp_enabled:  # the data groups split: shard within a group, all-reduce across groups
+        axes += [("data shard groups", DATA_SHARD), ("data replica groups", DATA_REPLICATE)]
+    for label, axis in axes:
+        groups = sorted({tuple(layout.group_ranks(axis, rank)) for rank in range(layout.world_size)})
+        if len(groups[0]) == 1:
+            continue
+        shown = " ".join(str(list(g)) for g in groups[:limit]) + (" ..." if len(groups) > limit else "")
+        rows[label] = shown
+    rows["rank -> (data, pipeline, tensor)"] = " ".join(f"{r}:{tuple(c)}" for r, c in layout.rank_map()[: limit * 2])
+    return rows

@@ -32,7 +32,7 @@ this suite, which use them to split the model:
   dict batch splits into the dict without ``labels`` and the ``labels``).
 * ``tensor_parallel_plan()`` -- submodule names (fnmatch globs such as ``"blocks.*.mlp.up"``
   allowed) mapped to a torch ``ParallelStyle`` or a style name of
-  :data:`lightning_parallel.parallel.tensor.STYLE_NAMES`. Reshape activations with ``-1``
+  :data:`lightning_parallel.parallel.tensor.plan.STYLE_NAMES`. Reshape activations with ``-1``
   for the sharded dimension (``view(B, T, -1, head_dim)``) so a rank can hold a slice of
   the heads.
 

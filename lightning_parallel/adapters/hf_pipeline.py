@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_parallel import _compat
-from lightning_parallel.parallel.stages import StageModule
+from lightning_parallel.parallel.pipeline.stages import StageModule
 
 BASE_ROLES = {"embed_tokens": "embed", "layers": "decoder", "norm": "norm"}
 HEAD_ROLES = {"lm_head": "head"}

@@ -27,7 +27,7 @@ from torch import nn
 
 from lightning_parallel import _compat
 from lightning_parallel.adapters.hf import find_hf_model
-from lightning_parallel.parallel.tensor_styles import is_norm
+from lightning_parallel.parallel.tensor.styles import is_norm
 
 # transformers style name -> the suite's style name of the same numerics (None: nothing to do).
 HF_STYLES: dict[str, Optional[str]] = {

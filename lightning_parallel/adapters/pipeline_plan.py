@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from lightning_parallel.adapters.hf import causal_lm_loss_terms, causal_lm_valid_count, find_hf_model
 from lightning_parallel.adapters.hf_pipeline import HFStage, hf_pipeline_layers
-from lightning_parallel.parallel.pipeline_runner import default_item_count
-from lightning_parallel.parallel.stages import StageFactory, StageModule
+from lightning_parallel.parallel.pipeline.runner import default_item_count
+from lightning_parallel.parallel.pipeline.stages import StageFactory, StageModule
 
 SAMPLE_SHAPE = (2, 8)  # the Hugging Face chain check's synthetic batch: tiny, with one padded row
 

@@ -272,7 +272,7 @@ class EvaluationReport(pl.Callback):
     def _report(self, trainer: pl.Trainer) -> None:
         if trainer.global_rank != 0:
             return
-        from lightning_parallel.report import print_table
+        from lightning_parallel.runtime.console import print_table
 
         rows = self.rows()
         if self.print_table:

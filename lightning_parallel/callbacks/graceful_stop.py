@@ -1,6 +1,6 @@
 """Stop every rank at the same optimizer step after SIGINT/SIGTERM, with a checkpoint to resume from.
 
-See :mod:`lightning_parallel.signals` for the whole stop: the signal marks this process, and
+See :mod:`lightning_parallel.runtime.signals` for the whole stop: the signal marks this process, and
 after each optimizer step the ranks all-reduce their marks (one element, MAX), so they all stop
 after the same step, write ``last-stop.ckpt`` together (a collective under sharded strategies) and
 leave ``fit`` normally, without the validation Lightning runs when training is stopped early.
@@ -8,7 +8,7 @@ leave ``fit`` normally, without the validation Lightning runs when training is s
 Note:
     The name is not ``last.ckpt``: a ``ModelCheckpoint(save_last=True)`` that finds a ``last.ckpt``
     it did not write saves its own next one as ``last-v1.ckpt``. ``resume=`` and ``ckpt_path=last``
-    take the newest ``last*.ckpt`` (:func:`lightning_parallel.run_resume.last_checkpoint`).
+    take the newest ``last*.ckpt`` (:func:`lightning_parallel.cli.run_resume.last_checkpoint`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from lightning_parallel import signals
+from lightning_parallel.runtime import signals
 
 
 class GracefulStop(pl.Callback):

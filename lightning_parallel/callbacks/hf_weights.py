@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_parallel.adapters.hf import find_hf_model
-from lightning_parallel.checkpoints.hf_in import load_hf_weights
+from lightning_parallel.checkpoints.hf.load import load_hf_weights
 
 
 def hf_model_prefix(module: pl.LightningModule) -> str:

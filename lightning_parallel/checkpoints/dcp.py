@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_parallel.checkpoints.lightning_reader import NESTED_GROUP_KEY, flatten_nested_groups, nested_param_groups
+from lightning_parallel.checkpoints.lightning.reader import NESTED_GROUP_KEY, flatten_nested_groups, nested_param_groups
 from lightning_parallel.checkpoints.safe_loading import SafeFileSystemReader, SafeLoadPlanner, load_plain
 
 METADATA_FILE = "meta.pt"

@@ -1,6 +1,6 @@
 """Resume a parallelised model from any checkpoint the suite can read, resharded onto its layout.
 
-One load path for every writer (see :func:`~lightning_parallel.checkpoints.foreign.identify_writer`):
+One load path for every writer (see :func:`~lightning_parallel.checkpoints.detect.identify_writer`):
 the state is presented to DCP under the suite's unsharded keys and DCP copies each rank's
 slices (:func:`~lightning_parallel.checkpoints.dcp.load_model_and_optimizers`).
 
@@ -10,7 +10,7 @@ slices (:func:`~lightning_parallel.checkpoints.dcp.load_model_and_optimizers`).
   a rank touches only the pages of its own slices, never a full copy. Optimizer positions
   are named from the live optimizers' param groups, gathered over all ranks.
 - a DeepSpeed folder: converted once per node, by its local rank 0, into a temporary suite
-  folder (:func:`~lightning_parallel.checkpoints.from_deepspeed.convert_to_dcp`), which every
+  folder (:func:`~lightning_parallel.checkpoints.deepspeed.convert.convert_to_dcp`), which every
   rank then reads like any suite folder; the folder is removed afterwards.
 
 Every rank must call :func:`resume_from` (the loads are collective).
@@ -31,8 +31,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_parallel.checkpoints.dcp import load_model_and_optimizers, load_sharded_checkpoint, resolve_checkpoint
-from lightning_parallel.checkpoints.foreign import describe_checkpoint, unreadable_checkpoint_error
-from lightning_parallel.checkpoints.lightning_reader import load_single_file, single_file_entries
+from lightning_parallel.checkpoints.detect import describe_checkpoint, unreadable_checkpoint_error
+from lightning_parallel.checkpoints.lightning.reader import load_single_file, single_file_entries
 from lightning_parallel.checkpoints.memory_reader import InMemoryReader
 
 DROPPED = ("load_optimizer_state=False: loaded the weights, loops, LR schedulers and callbacks of {path}; its "
@@ -100,7 +100,7 @@ def _load_single_file(
 
 def _convert_deepspeed_on_each_node(path: Path, local_coordinator: bool, optimizer_state: bool) -> Path:
     """Local rank 0 of every node converts ``path`` into one node-local temporary suite folder; all ranks get its path."""
-    from lightning_parallel.checkpoints.from_deepspeed import convert_to_dcp
+    from lightning_parallel.checkpoints.deepspeed.convert import convert_to_dcp
 
     name = _all_gather(f"lightning_parallel-deepspeed-{uuid.uuid4().hex}")[0]
     folder = Path(tempfile.gettempdir()) / name / "converted.ckpt"

@@ -58,7 +58,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-from lightning_parallel.parallel.stages import RemovedLayer
+from lightning_parallel.parallel.pipeline.stages import RemovedLayer
 
 MODES = ("none", "full", "selective")
 

@@ -39,15 +39,22 @@ from torch import Tensor, nn
 from lightning_parallel.adapters.hf import find_hf_model
 from lightning_parallel.adapters.pipeline_plan import PipelinePlan, pipeline_plan
 from lightning_parallel.layout import TENSOR_PARALLEL, ParallelLayout
-from lightning_parallel.parallel import activation_checkpoint, pipeline_tied
-from lightning_parallel.parallel.chain_check import check_chain, on_meta
+from lightning_parallel.parallel import activation_checkpoint
 from lightning_parallel.parallel.data import data_axis_mesh, shard_data_axis, uses_data_axis
 from lightning_parallel.parallel.options import ParallelOptions
-from lightning_parallel.parallel.partition import partition_layers, stage_of_layer
-from lightning_parallel.parallel.pipeline_schedules import SCHEDULES, stage_ids_for_rank, validate_schedule
+from lightning_parallel.parallel.pipeline import tied as pipeline_tied
+from lightning_parallel.parallel.pipeline.chain_check import check_chain, on_meta
+from lightning_parallel.parallel.pipeline.partition import partition_layers, stage_of_layer
+from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, stage_ids_for_rank, validate_schedule
+from lightning_parallel.parallel.pipeline.stages import (
+    PipelineSplit,
+    RemovedLayer,
+    layer_names,
+    shared_parameters,
+    split_module,
+)
 from lightning_parallel.parallel.precision import fsdp_policy
-from lightning_parallel.parallel.stages import PipelineSplit, RemovedLayer, layer_names, shared_parameters, split_module
-from lightning_parallel.parallel.tensor import apply_tensor_parallel, resolve_plan, validate_tensor_parallel
+from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, resolve_plan, validate_tensor_parallel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_parallel.parallel.pipeline_tied import TIED_COPY_ATTR
+from lightning_parallel.parallel.pipeline.tied import TIED_COPY_ATTR
 from lightning_parallel.parallel.precision import upcast_for_reduction
 
 

@@ -16,8 +16,8 @@ from typing import Any, Optional, Union
 
 from lightning_parallel.layout import Size, check_size
 from lightning_parallel.parallel.activation_checkpoint import Choice, check_choice
-from lightning_parallel.parallel.partition import METHODS
-from lightning_parallel.parallel.pipeline import validate_schedule
+from lightning_parallel.parallel.pipeline.partition import METHODS
+from lightning_parallel.parallel.pipeline.schedules import validate_schedule
 from lightning_parallel.parallel.precision import check_dtype_option
 
 # The one default collective timeout of every strategy in the suite: long enough for a slow
@@ -78,7 +78,7 @@ class ParallelOptions:
         tensor_parallel_size: ranks sharing each layer.
         zero_stage: 0 (replicated, gradient all-reduce), 2 or 3 (FSDP2 over the data axis).
         microbatches: micro-batches per batch for the pipeline schedule.
-        schedule: a pipeline schedule name (see ``parallel.pipeline.SCHEDULES``).
+        schedule: a pipeline schedule name (see ``parallel.pipeline.schedules.SCHEDULES``).
         partition: ``uniform``, ``parameters``, ``time`` or a list of cut points.
         stages_per_rank: pipeline stages per rank (2+ for interleaved/zero-bubble schedules).
         sequence_parallel: shard norm/dropout activations along the sequence.

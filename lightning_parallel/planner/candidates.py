@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from lightning_parallel.layout import _factorizations
-from lightning_parallel.parallel.pipeline_schedules import SCHEDULES, check_microbatches, validate_schedule
+from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, check_microbatches, validate_schedule
 from lightning_parallel.planner.shapes import ModelShape
 from lightning_parallel.scaling import Reference, rescale
 

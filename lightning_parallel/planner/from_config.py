@@ -6,18 +6,11 @@ batch of ``cfg.data``: what ``lp-train`` would build, so the parameters are exac
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from lightning_parallel.planner.candidates import CHECKPOINTING, Workload
 from lightning_parallel.planner.shapes import ModelShape
 from lightning_parallel.scaling import Reference
-
-# Where the Hydra configs are: inside the package once installed (the wheel carries conf/ as
-# lightning_parallel/conf), else conf/ beside the package -- as lightning_parallel.train finds them
-# (the planner may not import the entry point).
-_PACKAGE = Path(__file__).resolve().parent.parent
-CONFIG_DIR = _PACKAGE / "conf" if (_PACKAGE / "conf" / "config.yaml").is_file() else _PACKAGE.parent / "conf"
 
 
 def workload_of(cfg: Any) -> Workload:

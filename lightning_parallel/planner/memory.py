@@ -4,7 +4,7 @@ The sharding formulas are the ones ``benchmarks/memory_per_rank.py`` checks byte
 against real runs of the hybrid strategy:
 
 * a pipeline rank holds the layers of its stages, cut by the same balanced partition the
-  strategy uses (:func:`lightning_parallel.parallel.partition.balanced_partition` over the
+  strategy uses (:func:`lightning_parallel.parallel.pipeline.partition.balanced_partition` over the
   layers' parameter counts) and placed by the schedule's stage-to-rank mapping;
 * tensor parallelism divides the dimension the plan shards;
 * FSDP2 (``zero_stage`` 2 and 3) cuts each parameter's first dimension (as left by tensor
@@ -51,8 +51,8 @@ class Memory:
 
 @lru_cache(maxsize=1024)
 def _stage_layers(counts: tuple[int, ...], schedule: str, pp: int, v: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    from lightning_parallel.parallel.partition import balanced_partition
-    from lightning_parallel.parallel.pipeline_schedules import stage_ids_for_rank
+    from lightning_parallel.parallel.pipeline.partition import balanced_partition
+    from lightning_parallel.parallel.pipeline.schedules import stage_ids_for_rank
 
     bounds = balanced_partition(counts, pp * v)
     return tuple(tuple(tuple(range(bounds[s], bounds[s + 1])) for s in stage_ids_for_rank(schedule, r, pp, v))

@@ -4,7 +4,7 @@ Parameters come from the module itself (exact); which of them tensor parallelism
 its ``tensor_parallel_plan()`` (the same glob -> style plan the strategies apply); forward FLOPs
 from ``torch.utils.flop_counter``; the bytes autograd saves for backward from one micro-batch
 through ``saved_tensors_hooks``; forward+backward seconds per layer from
-:func:`lightning_parallel.parallel.partition.measure_layer_times`, the function the ``time``
+:func:`lightning_parallel.parallel.pipeline.partition.measure_layer_times`, the function the ``time``
 partition uses.
 """
 
@@ -136,7 +136,7 @@ def _layer_timer(layers: Sequence[nn.Module], sample: Tensor, rounds: int = 3):
     (the least disturbed by other processes); other sizes are interpolated (extrapolated beyond), so the
     times of different micro-batch counts come from the same two measurements and rank consistently.
     """
-    from lightning_parallel.parallel.partition import measure_layer_times
+    from lightning_parallel.parallel.pipeline.partition import measure_layer_times
 
     big = sample.shape[0]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from types import SimpleNamespace
 
-from lightning_parallel.parallel.pipeline_schedules import SCHEDULES
+from lightning_parallel.parallel.pipeline.schedules import SCHEDULES
 
 Action = tuple[str, int, int]  # (kind F | B | I | W, stage, micro-batch)
 
@@ -76,7 +76,7 @@ def rank_orders(schedule: str, p: int, v: int, m: int) -> dict[int, tuple[Action
     import torch
     from torch.distributed.pipelining import schedules
 
-    from lightning_parallel.parallel.pipeline_schedules import stage_ids_for_rank
+    from lightning_parallel.parallel.pipeline.schedules import stage_ids_for_rank
 
     cls = getattr(schedules, SCHEDULES[schedule][0])
     ids = stage_ids_for_rank(schedule, 0, p, v)

@@ -5,7 +5,7 @@ changes only what ties it to CUDA: the accelerator check, the device-index check
 DeepSpeed accelerator and process-group backend, and precision. Everything else --
 engine set-up, sharded checkpoints, optimizer hand-over -- is Lightning's.
 
-The DeepSpeed config is built in :mod:`lightning_parallel.parallel.deepspeed_config`, from
+The DeepSpeed config is built in :mod:`lightning_parallel.strategies.deepspeed_config`, from
 three sources in a fixed order of authority: the Trainer (micro-batch size, accumulation,
 clipping, precision), the strategy's explicit arguments (``stage``, ``offload_*``), then an
 optional raw DeepSpeed config for everything else. A raw config may repeat a value of the
@@ -52,17 +52,17 @@ from lightning_parallel._compat import (
     zero3_param_coordinator,
 )
 from lightning_parallel.adapters.hf_loss import token_weighting, training_context
-from lightning_parallel.checkpoints.foreign import describe_checkpoint, unreadable_checkpoint_error
-from lightning_parallel.checkpoints.hf_metadata import add_hugging_face_entry
+from lightning_parallel.checkpoints.detect import describe_checkpoint, unreadable_checkpoint_error
+from lightning_parallel.checkpoints.hf.metadata import add_hugging_face_entry
 from lightning_parallel.parallel import activation_checkpoint as ac
 from lightning_parallel.parallel.compose import check_activation_checkpointing, checkpoint_activations
-from lightning_parallel.parallel.deepspeed_config import (
+from lightning_parallel.parallel.options import DEFAULT_TIMEOUT, as_timeout, plain
+from lightning_parallel.strategies.deepspeed_config import (
     RawConfig,
     apply_precision,
     apply_trainer_settings,
     build_zero_config,
 )
-from lightning_parallel.parallel.options import DEFAULT_TIMEOUT, as_timeout, plain
 
 # Names registered by DeepSpeedDataParallelStrategy.register_strategies -> constructor arguments.
 REGISTERED = {

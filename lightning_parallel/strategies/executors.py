@@ -28,9 +28,8 @@ from torch import Tensor
 from lightning_parallel.adapters.hf import find_hf_model
 from lightning_parallel.adapters.hf_loss import TokenWeightedLoss, token_weighting, training_context
 from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL
-from lightning_parallel.parallel.pipeline import PipelineRunner
-from lightning_parallel.parallel.pipeline_runner import default_item_count
-from lightning_parallel.parallel.tensor import loss_parallel_context
+from lightning_parallel.parallel.pipeline.runner import PipelineRunner, default_item_count
+from lightning_parallel.parallel.tensor.plan import loss_parallel_context
 from lightning_parallel.protocol import split_batch
 
 if TYPE_CHECKING:

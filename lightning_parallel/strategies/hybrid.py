@@ -28,17 +28,17 @@ from typing_extensions import override
 
 from lightning_parallel import _compat
 from lightning_parallel.checkpoints import optimizer_state_dict, resolve_checkpoint, save_sharded_checkpoint
-from lightning_parallel.checkpoints.hf_metadata import add_hugging_face_entry
+from lightning_parallel.checkpoints.hf.metadata import add_hugging_face_entry
+from lightning_parallel.checkpoints.lightning.writer import parameter_order_entry
 from lightning_parallel.checkpoints.resume import resume_from
-from lightning_parallel.checkpoints.to_lightning import parameter_order_entry
 from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout, Size
-from lightning_parallel.parallel import pipeline_tied
 from lightning_parallel.parallel.activation_checkpoint import describe_choice
 from lightning_parallel.parallel.compose import Parallelized, check_module, parallelize
 from lightning_parallel.parallel.data import build_data_mesh, deferred_gradient_sync
 from lightning_parallel.parallel.options import ZERO_DESCRIPTIONS, ParallelOptions
-from lightning_parallel.parallel.partition import measure_layer_times
-from lightning_parallel.parallel.pipeline import PipelineSplit
+from lightning_parallel.parallel.pipeline import tied as pipeline_tied
+from lightning_parallel.parallel.pipeline.partition import measure_layer_times
+from lightning_parallel.parallel.pipeline.stages import PipelineSplit
 from lightning_parallel.parallel.precision import check_precision, describe_precision
 from lightning_parallel.protocol import split_batch
 from lightning_parallel.strategies import executors
@@ -171,8 +171,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
                                       data_replicate=o.data_replicate_size, data_shard=o.data_shard_size)
 
     def startup_rows(self, layout: ParallelLayout) -> dict[str, str]:
-        """Strategy rows of the start-up table (see :mod:`lightning_parallel.report`)."""
-        from lightning_parallel.report import rank_map_rows
+        """Strategy rows of the start-up table (see :mod:`lightning_parallel.cli.report`)."""
+        from lightning_parallel.layout import rank_map_rows
 
         o, rows = self.options, {}
         if layout.pipeline_parallel_enabled:
@@ -203,7 +203,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     @property
     def pipeline_runner(self) -> Any:
-        """The :class:`~lightning_parallel.parallel.pipeline.PipelineRunner` (None without pipelining)."""
+        """The :class:`~lightning_parallel.parallel.pipeline.runner.PipelineRunner` (None without pipelining)."""
         return getattr(self._executor, "runner", None)
 
     # --- Lightning lifecycle ---------------------------------------------------------
@@ -263,7 +263,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     def _print_split(self, split: PipelineSplit) -> None:
         if self.global_rank == 0:
-            from lightning_parallel.report import print_table
+            from lightning_parallel.runtime.console import print_table
 
             print_table("lightning_parallel: pipeline split", list(split.describe().items()))
 

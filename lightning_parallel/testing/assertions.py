@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_parallel.testing.compare import Case, compare_cases
-from lightning_parallel.testing.comparison import LayoutComparison
+from lightning_parallel.testing.results import LayoutComparison
 
 
 def check_comparison(result: LayoutComparison, name: str = "", same_loss_on_every_rank: bool = True) -> None:

@@ -16,7 +16,7 @@ data order and from the same initial weights, so that the layout is the only dif
 Per optimizer step each rank records the global-batch loss (:class:`LossHistory`), the true
 global gradient norm across pipeline and tensor ranks (before clipping) and the learning rate;
 at the end rank 0 gathers every parameter by its unsharded name (DTensors as full tensors,
-pipeline stages from all ranks). :class:`~lightning_parallel.testing.comparison.LayoutComparison`
+pipeline stages from all ranks). :class:`~lightning_parallel.testing.results.LayoutComparison`
 holds the verdict.
 """
 
@@ -33,9 +33,9 @@ from typing import Any, Optional, Union
 import lightning.pytorch as pl
 import torch
 
-from lightning_parallel.testing.comparison import LayoutComparison, LayoutRun
 from lightning_parallel.testing.parity import LossHistory
 from lightning_parallel.testing.processes import run_processes
+from lightning_parallel.testing.results import LayoutComparison, LayoutRun
 
 # Trainer arguments a comparison sets unless the caller does: training only, nothing written.
 QUIET = {"limit_val_batches": 0, "num_sanity_val_steps": 0}
@@ -159,7 +159,7 @@ def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _layout_of(strategy: Any, devices: int) -> Any:
-    from lightning_parallel.preflight import layout_of
+    from lightning_parallel.cli.preflight import layout_of
 
     return layout_of(strategy, devices)
 

@@ -113,7 +113,7 @@ def fit_regression_epochs(
     Returns:
         The global-batch loss of every batch this fit trained, and the Trainer.
     """
-    from lightning_parallel.preflight import layout_of
+    from lightning_parallel.cli.preflight import layout_of
     from lightning_parallel.testing.models import ResidualMLP, regression_dataset
 
     pl.seed_everything(0, verbose=False)

@@ -28,7 +28,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-from lightning_parallel.launch import free_port
+from lightning_parallel.runtime.ports import free_port
 
 # What every rank imports anyway; the fork server imports it once for all launches of a session.
 # Not deepspeed: its import asks torch.cuda for the device count, and a process that has touched

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from lightning_parallel import checkpoints
-from lightning_parallel.checkpoints import convert
+from lightning_parallel.cli import convert
 from lightning_parallel.testing import max_abs_difference, run_processes
 from lightning_parallel.testing.fit import fit_regression_epochs
 from lightning_parallel.testing.models import ResidualMLP

@@ -10,7 +10,7 @@ MARK = "=== case "
 
 HELPER = f"""
 import json, sys
-from lightning_parallel import train
+from lightning_parallel.cli import train
 for name, args in json.loads(sys.argv[1]):
     print({MARK!r} + name, flush=True)
     sys.argv = ["lp-train", *args]
@@ -28,7 +28,7 @@ def entry_point_env():
 
 
 def run_cases_in_one_process(cases, cwd):
-    """``{name: (exit code, output)}`` of ``lightning_parallel.train.main`` for each ``(name, args)`` in ``cases``."""
+    """``{name: (exit code, output)}`` of ``lightning_parallel.cli.train.main`` for each ``(name, args)`` in ``cases``."""
     payload = json.dumps([[name, [str(a) for a in args]] for name, args in cases])
     result = subprocess.run([sys.executable, "-c", HELPER, payload], cwd=cwd, env=entry_point_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)

@@ -26,7 +26,7 @@ def strategy_from_conf(name: str, overrides: tuple[str, ...] = ()) -> Any:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.utils import instantiate
 
-    from lightning_parallel.train import CONFIG_DIR
+    from lightning_parallel.cli.train import CONFIG_DIR
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):

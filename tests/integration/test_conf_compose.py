@@ -8,7 +8,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from lightning_parallel.train import CONFIG_DIR, layout_of, world_size_of
+from lightning_parallel.cli.train import CONFIG_DIR, layout_of, world_size_of
 
 GROUPS = sorted(p.name for p in Path(CONFIG_DIR).iterdir() if p.is_dir() and not p.name.startswith("hydra"))
 OPTIONS = [(group, f.stem) for group in GROUPS for f in sorted((Path(CONFIG_DIR) / group).glob("*.yaml"))]

@@ -92,7 +92,7 @@ def test_wheel_carries_configs_and_recipes_inside_the_package_and_nothing_top_le
 
 def test_installed_lp_train_trains_from_a_folder_outside_the_checkout(site, tmp_path):
     env = _env(site)
-    where = _run([sys.executable, "-c", "import lightning_parallel.examples.nlp.model as m, lightning_parallel.train as t;"
+    where = _run([sys.executable, "-c", "import lightning_parallel.examples.nlp.model as m, lightning_parallel.cli.train as t;"
                   "print(m.__file__); print(t.CONFIG_DIR)"], cwd=tmp_path, env=env)
     assert all(line.startswith(str(site)) for line in where.split()), where
     assert sorted(p.name for p in site.iterdir() if not p.name.endswith(".dist-info")) == [

@@ -1,6 +1,6 @@
 """Invalid layouts through the entry point: one clean error line naming the user's settings and a fix.
 
-Every case runs through ``lightning_parallel.train.main`` (Hydra compose, preflight, exit code) in
+Every case runs through ``lightning_parallel.cli.train.main`` (Hydra compose, preflight, exit code) in
 one helper process, since each error comes before any rank starts; the issue's three cases also
 run through the installed ``lp-train`` command. No case may start a process or a step: a layout
 that was wrongly accepted would train (``trainer.max_steps=1``) and fail the assertions.

@@ -15,7 +15,7 @@ TINY = ["experiment=nlp_gpt", "model=gpt_tiny", "data.seq_len=16", "data.max_byt
 
 def _compare(args, tmp_path, timeout=600):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-m", "lightning_parallel.compare", *args, f"hydra.run.dir={tmp_path}/run"],
+    result = subprocess.run([sys.executable, "-m", "lightning_parallel.cli.compare", *args, f"hydra.run.dir={tmp_path}/run"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     return result.returncode, result.stdout + result.stderr
 

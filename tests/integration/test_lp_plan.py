@@ -9,7 +9,7 @@ from tests.integration.entry_point import entry_point_env
 
 
 def test_lp_plan_prints_a_ranking_and_an_override_line_lp_train_composes(tmp_path) -> None:
-    command = [sys.executable, "-m", "lightning_parallel.planner.cli", "model=gpt_tiny", "trainer.devices=4",
+    command = [sys.executable, "-m", "lightning_parallel.cli.plan", "model=gpt_tiny", "trainer.devices=4",
                "data.seq_len=32", "data.max_bytes=20000", "--cluster", "cpu", "--top", "5"]
     done = subprocess.run(command, env=entry_point_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -19,14 +19,14 @@ def test_lp_plan_prints_a_ranking_and_an_override_line_lp_train_composes(tmp_pat
     line = out.rsplit("lp-train ", 1)[1].split()
     assert "trainer.devices=4" in line
 
-    from lightning_parallel.planner.cli import compose
+    from lightning_parallel.cli.plan import compose
 
     cfg = compose(["model=gpt_tiny", *line])  # the line is valid Hydra overrides of the shipped configs
     assert cfg.trainer.devices == 4 and "_target_" in cfg.strategy
 
 
 def test_lp_plan_refuses_a_bad_cluster_in_one_line(tmp_path) -> None:
-    command = [sys.executable, "-m", "lightning_parallel.planner.cli", "model=gpt_tiny", "--cluster", "nowhere"]
+    command = [sys.executable, "-m", "lightning_parallel.cli.plan", "model=gpt_tiny", "--cluster", "nowhere"]
     done = subprocess.run(command, env=entry_point_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr.startswith("lp-plan: error: No cluster description 'nowhere'") and "h100_node" in done.stderr

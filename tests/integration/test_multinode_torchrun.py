@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lightning_parallel.launch import free_port
+from lightning_parallel.runtime.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def test_two_nodes_on_localhost_train_one_run(tmp_path):
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
             f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}",
-            "-m", "lightning_parallel.train", *TINY, "strategy=ddp", "trainer.num_nodes=2", "trainer.devices=1",
+            "-m", "lightning_parallel.cli.train", *TINY, "strategy=ddp", "trainer.num_nodes=2", "trainer.devices=1",
             f"hydra.run.dir={run_dir}",
         ]  # fmt: skip
         nodes.append(subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

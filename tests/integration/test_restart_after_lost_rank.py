@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_parallel.launch import free_port
+from lightning_parallel.runtime.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def _torchrun(run_dir: Path, extra: list[str]) -> subprocess.CompletedProcess:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "-m", "lightning_parallel.train", *RUN, *extra,
+        "-m", "lightning_parallel.cli.train", *RUN, *extra,
         "+callbacks.record._target_=lightning_parallel.testing.BatchHistory", f"+callbacks.record.folder={run_dir / 'batches'}",
         f"hydra.run.dir={run_dir}",
     ]  # fmt: skip

@@ -32,7 +32,7 @@ def _env():
 
 
 def _lp_train(args, cwd, timeout=300):
-    command = [sys.executable, "-m", "lightning_parallel.train", *args]
+    command = [sys.executable, "-m", "lightning_parallel.cli.train", *args]
     return subprocess.run(command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -122,7 +122,7 @@ def _alive(pid):
 
 def test_sigint_stops_every_rank_of_a_pipeline_run_within_seconds_with_a_checkpoint(tmp_path):
     run = tmp_path / "run"
-    command = [sys.executable, "-m", "lightning_parallel.train", *TINY, "strategy=pipeline", "trainer.devices=2",
+    command = [sys.executable, "-m", "lightning_parallel.cli.train", *TINY, "strategy=pipeline", "trainer.devices=2",
                "trainer.max_steps=100000", "model.max_steps=100000", "logger=none", "callbacks.evaluation=null",
                f"hydra.run.dir={run}"]
     log = open(tmp_path / "out.txt", "w+")

@@ -17,7 +17,7 @@ TINY = ["model=gpt_tiny", "trainer=cpu_test", "data.seq_len=32", "data.batch_siz
 
 def _run(args, cwd, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-    result = subprocess.run([sys.executable, "-m", "lightning_parallel.train", *args], cwd=cwd, env=env,
+    result = subprocess.run([sys.executable, "-m", "lightning_parallel.cli.train", *args], cwd=cwd, env=env,
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result.stdout + result.stderr
@@ -49,7 +49,7 @@ def test_multirun_over_device_counts_runs_each_job_in_its_own_folder(tmp_path):
     for job in jobs:
         assert list((job / "checkpoints").glob("last*.ckpt")), job
     assert "world size" in out and "2 (1 node(s) x 2" in out
-    # The sweep ends with its summary (lightning_parallel.sweep_summary), one row per job.
+    # The sweep ends with its summary (lightning_parallel.cli.sweep_summary), one row per job.
     with open(tmp_path / "sweep" / "summary.csv") as handle:
         rows = list(csv.DictReader(handle))
     assert [(r["devices"], r["global_batch_size"], r["status"]) for r in rows] == [("1", "4", "ok"), ("2", "8", "ok")]
@@ -58,7 +58,7 @@ def test_multirun_over_device_counts_runs_each_job_in_its_own_folder(tmp_path):
 
 def test_bad_layout_fails_before_any_process_starts(tmp_path):
     env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
-    result = subprocess.run([sys.executable, "-m", "lightning_parallel.train", *TINY, "trainer.devices=0"],
+    result = subprocess.run([sys.executable, "-m", "lightning_parallel.cli.train", *TINY, "trainer.devices=0"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "trainer.devices=0" in result.stderr

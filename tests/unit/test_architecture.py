@@ -26,14 +26,14 @@ def _files(folder: Path) -> list[Path]:
 
 # folder -> module prefixes it must never import
 FORBIDDEN = {
-    PACKAGE / "parallel": ("lightning", "lightning_parallel.strategies", "lightning_parallel.train",
+    PACKAGE / "parallel": ("lightning", "lightning_parallel.strategies", "lightning_parallel.cli.train",
                            "lightning_parallel.checkpoints", "lightning_parallel.callbacks"),
     PACKAGE / "checkpoints": ("lightning.pytorch.trainer", "lightning.pytorch.Trainer", "lightning_parallel.strategies",
-                              "lightning_parallel.train"),
-    PACKAGE / "adapters": ("lightning", "lightning_parallel.strategies", "lightning_parallel.train",
+                              "lightning_parallel.cli.train"),
+    PACKAGE / "adapters": ("lightning", "lightning_parallel.strategies", "lightning_parallel.cli.train",
                            "lightning_parallel.checkpoints", "lightning_parallel.callbacks"),
     ROOT / "examples": ("lightning_parallel.strategies", "lightning_parallel.parallel"),
-    PACKAGE / "planner": ("lightning", "lightning_parallel.strategies", "lightning_parallel.train",
+    PACKAGE / "planner": ("lightning", "lightning_parallel.strategies", "lightning_parallel.cli.train",
                           "lightning_parallel.checkpoints", "lightning_parallel.callbacks"),
 }
 

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from lightning_parallel.compare import parse_layout
-from lightning_parallel.preflight import ConfigError
+from lightning_parallel.cli.compare import parse_layout
+from lightning_parallel.cli.preflight import ConfigError
 from lightning_parallel.testing.assertions import check_comparison
 from lightning_parallel.testing.compare import Layout, as_layout
-from lightning_parallel.testing.comparison import LayoutComparison, LayoutRun
+from lightning_parallel.testing.results import LayoutComparison, LayoutRun
 
 LOSSES = [2.0, 1.5, 1.2, 1.0]
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from lightning_parallel import run_folder
-from lightning_parallel.preflight import ConfigError, check_trainer_overrides, unknown_trainer_key
-from lightning_parallel.run_folder import claim, read_owner, verify_rank_config, write_rank_config
-from lightning_parallel.run_resume import checkpoint_step, last_checkpoint, no_checkpoint_message, resume_overrides
-from lightning_parallel.run_start import validation_schedule
-from lightning_parallel.sweep_summary import job_row, record_failure
+from lightning_parallel.cli import run_folder
+from lightning_parallel.cli.preflight import ConfigError, check_trainer_overrides, unknown_trainer_key
+from lightning_parallel.cli.run_folder import claim, read_owner, verify_rank_config, write_rank_config
+from lightning_parallel.cli.run_resume import checkpoint_step, last_checkpoint, no_checkpoint_message, resume_overrides
+from lightning_parallel.cli.run_start import validation_schedule
+from lightning_parallel.cli.sweep_summary import job_row, record_failure
 
 
 def test_folder_names_carry_time_label_and_id_and_resume_keeps_the_folder(monkeypatch):

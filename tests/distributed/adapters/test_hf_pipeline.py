@@ -2,7 +2,7 @@
 
 The module holds ``AutoModelForCausalLM.from_config(cfg)`` and defines no protocol method.
 ``parallelize`` alone (no Trainer) splits it from the model's pipeline plan and a raw loop
-drives :class:`~lightning_parallel.parallel.pipeline.PipelineRunner` as the pipelined executor
+drives :class:`~lightning_parallel.parallel.pipeline.runner.PipelineRunner` as the pipelined executor
 does: token counts all-reduced over the data axis, AdamW, clipping with the global norm
 (a tied pair counted once), fp32, 8 steps. Batches are right-padded documents with masked
 prompts, so valid-token counts differ between micro-batches and ranks. Every rank must report
@@ -32,8 +32,8 @@ from lightning_parallel.parallel.compose import parallelize
 from lightning_parallel.parallel.data import build_data_mesh as data_mesh
 from lightning_parallel.parallel.gradients import total_grad_norm
 from lightning_parallel.parallel.options import ParallelOptions
-from lightning_parallel.parallel.pipeline import PipelineRunner
-from lightning_parallel.parallel.pipeline_tied import TIED_COPY_ATTR
+from lightning_parallel.parallel.pipeline.runner import PipelineRunner
+from lightning_parallel.parallel.pipeline.tied import TIED_COPY_ATTR
 from lightning_parallel.protocol import split_batch
 from lightning_parallel.testing import run_processes
 

@@ -122,7 +122,7 @@ def untied_control(rank: int) -> list[float]:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from lightning_parallel.parallel.gradients import clip_grad_norm_
-    from lightning_parallel.parallel.tensor import resolve_plan
+    from lightning_parallel.parallel.tensor.plan import resolve_plan
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
     reference = UserModule("qwen2", {"tie_word_embeddings": True})

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_parallel.checkpoints.convert import main as lp_convert
+from lightning_parallel.cli.convert import main as lp_convert
 from lightning_parallel.testing import max_abs_difference, run_processes
 from lightning_parallel.testing.fit import optimizer_step_counts
 from tests.distributed.saved_checkpoints import BATCHES, fit

@@ -14,7 +14,7 @@ import torch
 from examples.nlp.hf_causal_lm import HFCausalLM
 from examples.nlp.hf_data import PaddedTextDataModule
 from lightning_parallel.callbacks import HuggingFaceWeights
-from lightning_parallel.checkpoints.convert import main as lp_convert
+from lightning_parallel.cli.convert import main as lp_convert
 from lightning_parallel.strategies import HybridParallelStrategy as Hybrid
 from lightning_parallel.testing import LossHistory, max_abs_difference, run_processes
 
@@ -130,7 +130,7 @@ def _check_export(root, family, logits):
     """lp-convert --to hf of the pp2 x tp2 checkpoint: from_pretrained gives the trained model's logits."""
     from safetensors import safe_open
 
-    from lightning_parallel.checkpoints.export import consolidate
+    from lightning_parallel.checkpoints.pt import consolidate
 
     saved, exported = root / f"{family}-pp2xtp2.ckpt", root / f"{family}-hf"
     meta = torch.load(saved / "meta.pt", weights_only=True)

@@ -21,7 +21,7 @@ from lightning_parallel.parallel.data import build_data_mesh as data_mesh
 from lightning_parallel.parallel.data import deferred_gradient_sync
 from lightning_parallel.parallel.gradients import clip_grad_norm_
 from lightning_parallel.parallel.options import ParallelOptions
-from lightning_parallel.parallel.pipeline import PipelineRunner
+from lightning_parallel.parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.testing import max_abs_difference, run_processes
 from tests.distributed.parallel.tp_runs import BATCH, batches, tiny_gpt
 

@@ -29,7 +29,7 @@ from lightning_parallel.layout import DATA_PARALLEL, TENSOR_PARALLEL, ParallelLa
 from lightning_parallel.parallel.compose import parallelize
 from lightning_parallel.parallel.data import shard_data_axis
 from lightning_parallel.parallel.options import ParallelOptions
-from lightning_parallel.parallel.tensor import apply_tensor_parallel, resolve_plan
+from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, resolve_plan
 from lightning_parallel.strategies import HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
 from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
 from lightning_parallel.testing import max_abs_difference, run_processes

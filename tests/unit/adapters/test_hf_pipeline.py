@@ -8,11 +8,11 @@ from torch import nn
 
 from lightning_parallel.adapters.pipeline_plan import pipeline_plan
 from lightning_parallel.layout import ParallelLayout
-from lightning_parallel.parallel.chain_check import run_chain
 from lightning_parallel.parallel.compose import check_module
 from lightning_parallel.parallel.options import ParallelOptions
-from lightning_parallel.parallel.pipeline_tied import local_tied_copies
-from lightning_parallel.parallel.stages import split_module
+from lightning_parallel.parallel.pipeline.chain_check import run_chain
+from lightning_parallel.parallel.pipeline.stages import split_module
+from lightning_parallel.parallel.pipeline.tied import local_tied_copies
 from lightning_parallel.protocol import split_batch
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[hf]'")

@@ -13,8 +13,8 @@ from lightning_parallel.adapters.hf_tensor import HF_STYLES, REFUSED_STYLES, Ref
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallel.compose import check_module
 from lightning_parallel.parallel.options import ParallelOptions
-from lightning_parallel.parallel.tensor import resolve_plan, validate_tensor_parallel
-from lightning_parallel.parallel.tensor_styles import PrepareFirstInput, SumGradients, is_norm
+from lightning_parallel.parallel.tensor.plan import resolve_plan, validate_tensor_parallel
+from lightning_parallel.parallel.tensor.styles import PrepareFirstInput, SumGradients, is_norm
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_parallel.checkpoints import is_sharded_checkpoint, load_sharded_checkpoint
-from lightning_parallel.checkpoints.convert import AVAILABLE, main
+from lightning_parallel.cli.convert import AVAILABLE, main
 from lightning_parallel.testing.models import ResidualMLP
 
 from .conftest import WIDTH
@@ -102,7 +102,7 @@ def test_deepspeed_to_dcp_and_to_pt(zero0_folder, tmp_path, capsys):
 
 def test_the_console_script_is_installed_and_refuses_without_a_traceback(tmp_path):
     (script,) = [e for e in entry_points(group="console_scripts") if e.name == "lp-convert"]
-    assert script.value == "lightning_parallel.checkpoints.convert:main"
+    assert script.value == "lightning_parallel.cli.convert:main"
     executable = Path(sys.executable).with_name("lp-convert")
     if not executable.is_file():
         pytest.skip("the package is not installed with its scripts (pip install -e .)")

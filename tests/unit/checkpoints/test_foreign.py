@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from lightning_parallel.checkpoints import optimizer_state_dict, save_on_one_process
-from lightning_parallel.checkpoints.foreign import (
+from lightning_parallel.checkpoints.detect import (
     identify_writer,
     read_lightning_checkpoint,
     unreadable_checkpoint_error,
 )
-from lightning_parallel.checkpoints.lightning_reader import flatten_optimizer_state, name_positions
+from lightning_parallel.checkpoints.lightning.reader import flatten_optimizer_state, name_positions
 from lightning_parallel.checkpoints.resume import resume_from
 from lightning_parallel.checkpoints.safe_loading import CheckpointRefused
 from lightning_parallel.testing.models import ResidualMLP
@@ -196,7 +196,7 @@ def test_the_strategy_validates_load_optimizer_state():
 
 def test_the_hugging_face_entry_names_the_model_its_prefix_and_config():
     transformers = pytest.importorskip("transformers")
-    from lightning_parallel.checkpoints.hf_metadata import hugging_face_entry
+    from lightning_parallel.checkpoints.hf.metadata import hugging_face_entry
 
     config = transformers.LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2)

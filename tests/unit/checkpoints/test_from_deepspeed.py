@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_parallel import checkpoints
-from lightning_parallel.checkpoints.from_deepspeed import _flattened_optimizer_state
+from lightning_parallel.checkpoints.deepspeed.convert import _flattened_optimizer_state
 from lightning_parallel.testing.models import ResidualMLP
 
 from .conftest import STEPS, WIDTH, trained_module, write_zero0_folder

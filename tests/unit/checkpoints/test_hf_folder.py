@@ -11,10 +11,10 @@ from torch import nn
 
 from lightning_parallel.callbacks import HuggingFaceWeights
 from lightning_parallel.checkpoints import save_on_one_process
-from lightning_parallel.checkpoints.convert import main
-from lightning_parallel.checkpoints.hf_in import load_hf_weights
-from lightning_parallel.checkpoints.hf_metadata import hugging_face_entry
-from lightning_parallel.parallel.pipeline import RemovedLayer
+from lightning_parallel.checkpoints.hf.load import load_hf_weights
+from lightning_parallel.checkpoints.hf.metadata import hugging_face_entry
+from lightning_parallel.cli.convert import main
+from lightning_parallel.parallel.pipeline.stages import RemovedLayer
 
 from .conftest import LIGHTNING_STATE
 

@@ -9,15 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from lightning_parallel.checkpoints import optimizer_state_dict, save_on_one_process
-from lightning_parallel.checkpoints.convert import main
-from lightning_parallel.checkpoints.to_lightning import (
+from lightning_parallel.checkpoints.lightning.writer import (
     _local_groups,
     _module_order,
     merge_parameter_groups,
     parameter_order_entry,
     to_lightning_checkpoint,
 )
-from lightning_parallel.parallel.pipeline import RemovedLayer
+from lightning_parallel.cli.convert import main
+from lightning_parallel.parallel.pipeline.stages import RemovedLayer
 from lightning_parallel.testing.models import ResidualMLP
 
 from .conftest import LIGHTNING_STATE, WIDTH
@@ -142,7 +142,7 @@ def test_a_lightning_dcp_folder_converts_with_the_order_its_nested_groups_name(t
     """ModelParallelStrategy's layout: torch's nested optimizer state dict (groups list parameter names in order)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from lightning_parallel.checkpoints.foreign import identify_writer
+    from lightning_parallel.checkpoints.detect import identify_writer
 
     module, optim = _trained()
     state = {"state_dict": module.state_dict(), "optimizer_0": get_optimizer_state_dict(module, optim)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lightning_parallel.checkpoints import load_sharded_checkpoint
-from lightning_parallel.checkpoints.convert import main
+from lightning_parallel.cli.convert import main
 from lightning_parallel.testing.models import ResidualMLP
 
 from .conftest import LIGHTNING_STATE, WIDTH, trained_module

@@ -14,7 +14,7 @@ from examples.vision.model import ViT
 from lightning_parallel.callbacks import EvaluationReport, ThroughputReport
 from lightning_parallel.callbacks.evaluation import batch_size_of, pad_batch, percentile
 from lightning_parallel.callbacks.throughput import tensor_leaves
-from lightning_parallel.train import fit_metrics
+from lightning_parallel.cli.train import fit_metrics
 
 
 def test_pad_batch_repeats_the_last_row_of_every_tensor():

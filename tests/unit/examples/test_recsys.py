@@ -6,7 +6,7 @@ import torch
 
 from examples.recsys.data import ClickDataModule, auc, feature_table_sizes, read_criteo_tsv, synthetic_click_log
 from examples.recsys.model import DLRM
-from lightning_parallel.parallel.tensor import resolve_plan
+from lightning_parallel.parallel.tensor.plan import resolve_plan
 
 TABLES = (64, 32, 8, 8, 8)
 

@@ -6,7 +6,7 @@ import torch
 
 from examples.vision.data import ImageDataModule, load_image_folder, stratified_split
 from examples.vision.model import ViT
-from lightning_parallel.parallel.tensor import resolve_plan
+from lightning_parallel.parallel.tensor.plan import resolve_plan
 
 
 def test_forward_shapes_and_pipeline_layers_compose():

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.parallel.partition import (
+from lightning_parallel.parallel.pipeline.partition import (
     balanced_partition,
     measure_layer_times,
     partition_layers,

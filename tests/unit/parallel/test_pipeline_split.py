@@ -5,18 +5,20 @@ import itertools
 import pytest
 import torch
 
-from lightning_parallel.parallel.partition import partition_layers
-from lightning_parallel.parallel.pipeline import (
+from lightning_parallel.parallel.pipeline.partition import partition_layers
+from lightning_parallel.parallel.pipeline.schedules import (
     SCHEDULES,
-    RemovedLayer,
-    StageModule,
     available_schedules,
     check_microbatches,
+    stage_ids_for_rank,
+    validate_schedule,
+)
+from lightning_parallel.parallel.pipeline.stages import (
+    RemovedLayer,
+    StageModule,
     layer_names,
     shared_parameters,
     split_module,
-    stage_ids_for_rank,
-    validate_schedule,
 )
 from lightning_parallel.testing.models import ResidualMLP
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.parallel import pipeline_tied
-from lightning_parallel.parallel.pipeline_tied import TiedCopies
+from lightning_parallel.parallel.pipeline import tied as pipeline_tied
+from lightning_parallel.parallel.pipeline.tied import TiedCopies
 
 
 class _Head(nn.Module):

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from lightning_parallel.layout import ParallelLayout
-from lightning_parallel.parallel.deepspeed_config import apply_precision
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.precision import check_precision, describe_precision, fsdp_policy, upcast_for_reduction
-from lightning_parallel.parallel.tensor_styles import SumGradients
+from lightning_parallel.parallel.tensor.styles import SumGradients
+from lightning_parallel.strategies.deepspeed_config import apply_precision
 
 DP2 = ParallelLayout(2, 2, 1, 1)
 TP2 = ParallelLayout(2, 1, 1, 2)
@@ -135,7 +135,7 @@ def test_tied_copy_gradients_are_exchanged_and_summed_in_fp32(monkeypatch):
     # Rank 0 of a tied pair (embedding and head on two pipeline ranks) under bf16-true, the peer faked.
     import torch.distributed as dist
 
-    from lightning_parallel.parallel.pipeline_tied import TiedCopies, sum_tied_gradients
+    from lightning_parallel.parallel.pipeline.tied import TiedCopies, sum_tied_gradients
 
     exchanged = []
 

@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from examples.nlp.model import GPT
-from lightning_parallel.parallel.tensor import (
+from lightning_parallel.parallel.tensor.plan import (
     STYLE_NAMES,
     loss_parallel_context,
     resolve_plan,

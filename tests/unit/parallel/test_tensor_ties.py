@@ -5,8 +5,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from lightning_parallel.parallel.tensor import resolve_plan
-from lightning_parallel.parallel.tensor_ties import check_ties, restore_ties, tie_groups, weight_placement
+from lightning_parallel.parallel.tensor.plan import resolve_plan
+from lightning_parallel.parallel.tensor.ties import check_ties, restore_ties, tie_groups, weight_placement
 
 
 class TiedLM(nn.Module):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from examples.nlp.model import GPT
-from lightning_parallel.parallel.partition import partition_layers
+from lightning_parallel.parallel.pipeline.partition import partition_layers
 from lightning_parallel.planner.candidates import Candidate
 from lightning_parallel.planner.memory import stage_layers, state_bytes, working_bytes
 from lightning_parallel.planner.profile import profile_module

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from examples.nlp.model import GPT
+from lightning_parallel.cli.plan import compose
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.planner import SearchSpace, Workload, load_cluster, make_plan, overrides
-from lightning_parallel.planner.cli import compose
 from lightning_parallel.planner.cluster import cluster_from_dict
-from lightning_parallel.planner.from_config import CONFIG_DIR
 from lightning_parallel.planner.plan import strategy_overrides
 from lightning_parallel.planner.profile import profile_module
 from lightning_parallel.planner.shapes import llama3_shape
+from lightning_parallel.runtime.config_dir import CONFIG_DIR
 from lightning_parallel.scaling import Reference
 
 
@@ -80,7 +80,7 @@ def test_override_lines_compose_into_the_layout(gpt_shape) -> None:
                      SearchSpace(checkpointing=("none", "full")))
     from hydra.utils import instantiate
 
-    from lightning_parallel.preflight import layout_of
+    from lightning_parallel.cli.preflight import layout_of
 
     picked = {p.candidate.engine + str(p.candidate.pp > 1) + str(p.candidate.tp > 1): p.candidate for p in plan.ranked}
     for c in picked.values():
@@ -104,8 +104,8 @@ def test_checkpointing_overrides_are_valid_options() -> None:
 
 
 def test_planned_strategy_resolves_to_the_chosen_layout(tmp_path: Path, monkeypatch) -> None:
-    from lightning_parallel.planner import planned
-    from lightning_parallel.preflight import preflight
+    from lightning_parallel.cli import planned
+    from lightning_parallel.cli.preflight import preflight
 
     monkeypatch.setenv("LP_PLAN_CACHE", str(tmp_path))
     monkeypatch.setattr(planned, "shape_of", lambda cfg: _tiny_measured(cfg))

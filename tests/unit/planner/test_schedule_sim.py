@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_parallel.parallel.timeline import theoretical_bubble
+from lightning_parallel.parallel.pipeline.timeline import theoretical_bubble
 from lightning_parallel.planner.schedule_sim import rank_orders, simulate
 
 

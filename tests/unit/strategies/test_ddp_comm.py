@@ -9,8 +9,8 @@ from omegaconf import OmegaConf
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
+from lightning_parallel.cli.train import CONFIG_DIR
 from lightning_parallel.strategies.ddp_comm import CommHookDDPStrategy, ddp_strategy
-from lightning_parallel.train import CONFIG_DIR
 
 
 def test_no_hook_is_lightnings_ddp_strategy_unchanged():

@@ -1,15 +1,15 @@
 """Hydra entry point: compose -> rescale -> instantiate -> fit -> report.
 
-Run ``python -m lightning_parallel.train`` (or ``lp-train``) with Hydra overrides, e.g.
+Run ``python -m lightning_parallel.cli.train`` (or ``lp-train``) with Hydra overrides, e.g.
 ``lp-train strategy=pipeline trainer.devices=2`` or
 ``lp-train -m strategy=ddp trainer.devices=1,2``. With ``trainer.devices > 1`` and no
 external launcher (torchrun, SLURM) the entry point starts the other local ranks itself
-(see :mod:`lightning_parallel.launch`).
+(see :mod:`lightning_parallel.cli.launch`).
 
-The edges of a run: every run gets its own folder (:mod:`lightning_parallel.run_folder`);
+The edges of a run: every run gets its own folder (:mod:`lightning_parallel.cli.run_folder`);
 ``ckpt_path=last`` and ``resume=<folder>`` are resolved before anything starts
-(:mod:`lightning_parallel.run_resume`); Ctrl-C/SIGTERM stop every rank at one step with a checkpoint
-(:mod:`lightning_parallel.signals`); every error is one line with its remedy (the traceback goes to
+(:mod:`lightning_parallel.cli.run_resume`); Ctrl-C/SIGTERM stop every rank at one step with a checkpoint
+(:mod:`lightning_parallel.runtime.signals`); every error is one line with its remedy (the traceback goes to
 the run's ``train.log``); a multirun exits with the number of jobs that failed.
 """
 
@@ -25,23 +25,21 @@ from typing import Any, Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lightning_parallel import signals
+from lightning_parallel.cli.preflight import ConfigError, check_trainer_overrides, preflight, report_config_error
+from lightning_parallel.cli.preflight import layout_of as layout_of  # re-exported: tests and recipes use them
+from lightning_parallel.cli.preflight import world_size_of as world_size_of
+from lightning_parallel.cli.report import fit_metrics as fit_metrics  # re-exported: tests use it
+from lightning_parallel.cli.report import log_final_hparams, write_metrics
+from lightning_parallel.cli.run_folder import register_resolver
+from lightning_parallel.cli.sweep_summary import SweepSummary, record_failure
 from lightning_parallel.layout import ParallelLayout
-from lightning_parallel.preflight import ConfigError, check_trainer_overrides, preflight, report_config_error
-from lightning_parallel.preflight import layout_of as layout_of  # re-exported: tests and recipes use them
-from lightning_parallel.preflight import world_size_of as world_size_of
-from lightning_parallel.report import fit_metrics as fit_metrics  # re-exported: tests use it
-from lightning_parallel.report import log_final_hparams, write_metrics
-from lightning_parallel.run_folder import register_resolver
+from lightning_parallel.runtime import signals
+from lightning_parallel.runtime.config_dir import CONFIG_DIR as _CONFIG_DIR
 from lightning_parallel.scaling import EffectiveHparams, Reference, rescale_for_layout
-from lightning_parallel.sweep_summary import SweepSummary, record_failure
 
 register_resolver()  # hydra.run.dir names each run's own folder (conf/config.yaml)
 
-# The Hydra configs: inside the package once installed (the wheel carries conf/ as lightning_parallel/conf),
-# else conf/ beside the package (a source checkout, editable or not).
-_PACKAGE = Path(__file__).resolve().parent
-CONFIG_DIR = str(_PACKAGE / "conf" if (_PACKAGE / "conf" / "config.yaml").is_file() else _PACKAGE.parent / "conf")
+CONFIG_DIR = str(_CONFIG_DIR)  # Hydra wants a string
 
 
 def _select(cfg: DictConfig, path: str) -> Any:
@@ -194,19 +192,20 @@ def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None
     """Build everything from ``cfg`` and fit; returns the final metrics (same on every rank).
 
     Rank 0 also writes ``<output_dir>/.hydra/effective.yaml`` before fitting and
-    ``<output_dir>/metrics.json`` after (read by :class:`lightning_parallel.sweep_summary.SweepSummary`).
+    ``<output_dir>/metrics.json`` after (read by :class:`lightning_parallel.cli.sweep_summary.SweepSummary`).
 
     Args:
         cfg: the composed Hydra config (``conf/config.yaml`` plus overrides).
         prepared: :func:`preflight` of ``cfg`` when the caller already ran it.
-        start: the checkpoint to resume from (None: a fresh start); see :func:`lightning_parallel.run_start.start_checkpoint`.
+        start: the checkpoint to resume from (None: a fresh start); see :func:`lightning_parallel.cli.run_start.start_checkpoint`.
         notes: extra rows for the start-up table.
     """
     import lightning.pytorch as pl
     from lightning.pytorch.utilities import rank_zero_only
 
-    from lightning_parallel.report import print_table, result_rows, startup_table
-    from lightning_parallel.run_resume import describe_start
+    from lightning_parallel.cli.report import result_rows, startup_table
+    from lightning_parallel.cli.run_resume import describe_start
+    from lightning_parallel.runtime.console import print_table
 
     pl.seed_everything(cfg.seed, workers=True)
     strategy, layout = prepared or preflight(cfg)
@@ -235,9 +234,14 @@ def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None
 
 def _prepare(cfg: DictConfig) -> tuple[int, tuple[Any, ParallelLayout], Optional[Path], dict[str, str], str]:
     """Everything settled before any rank starts: processes, checks, start checkpoint, run folder, validation."""
-    from lightning_parallel.launch import launched_externally, processes_to_launch
-    from lightning_parallel.planner.planned import plan_if_asked
-    from lightning_parallel.run_start import claim_run_folder, route_logs_to_file, start_checkpoint, validation_schedule
+    from lightning_parallel.cli.launch import launched_externally, processes_to_launch
+    from lightning_parallel.cli.planned import plan_if_asked
+    from lightning_parallel.cli.run_start import (
+        claim_run_folder,
+        route_logs_to_file,
+        start_checkpoint,
+        validation_schedule,
+    )
 
     route_logs_to_file()
     try:
@@ -258,7 +262,7 @@ def _report_stop(cfg: DictConfig) -> None:
     """After a stop on SIGINT/SIGTERM: what was saved, how long it took, and how to continue (rank 0)."""
     import time
 
-    from lightning_parallel.run_resume import checkpoint_step
+    from lightning_parallel.cli.run_resume import checkpoint_step
 
     shutdown = signals.current()
     if shutdown is None or os.environ.get("RANK", "0") != "0":
@@ -285,7 +289,7 @@ def run(cfg: DictConfig) -> Optional[float]:
     """Run one job, starting the other local ranks first when this process is the only one."""
     from hydra.core.hydra_config import HydraConfig
 
-    from lightning_parallel.launch import local_ranks, restored_rank_environment
+    from lightning_parallel.cli.launch import local_ranks, restored_rank_environment
 
     nprocs, prepared, start, notes, identity = _prepare(cfg)
     with restored_rank_environment():
@@ -314,7 +318,7 @@ def _multirun() -> bool:
 
 def _report_failure(error: BaseException, cfg: DictConfig) -> float:
     """One short line for an error (the traceback goes to the run's log file); in a multirun the job's row."""
-    from lightning_parallel.run_start import log_traceback
+    from lightning_parallel.cli.run_start import log_traceback
 
     log = log_traceback(error)
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
@@ -344,7 +348,7 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
 
 def _expand_resume(overrides: list[str]) -> None:
     """``resume=<folder>``: run with the folder's original overrides (those given now win)."""
-    from lightning_parallel.run_resume import resume_overrides
+    from lightning_parallel.cli.run_resume import resume_overrides
 
     given = [o for o in overrides if o.lstrip("+").startswith("resume=")]
     if not given:
@@ -359,7 +363,7 @@ def _expand_resume(overrides: list[str]) -> None:
 
 def main() -> None:
     """Console entry point (``lp-train``): checks of the command line, signals, the Hydra app, the sweep's exit code."""
-    from lightning_parallel.launch import check_rank_config
+    from lightning_parallel.cli.launch import check_rank_config
 
     check_rank_config()  # a child rank: its configuration file must be the one its launcher wrote
     overrides = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]

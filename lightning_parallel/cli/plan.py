@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_parallel.planner.candidates import SearchSpace
-from lightning_parallel.planner.from_config import CONFIG_DIR, checkpointing_modes, shape_of, workload_of
+from lightning_parallel.planner.from_config import checkpointing_modes, shape_of, workload_of
 from lightning_parallel.planner.plan import Plan, make_plan, overrides
+from lightning_parallel.runtime.config_dir import CONFIG_DIR
 
 
 def compose(overrides_: list[str]) -> Any:
@@ -29,7 +30,7 @@ def compose(overrides_: list[str]) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from lightning_parallel.run_folder import register_resolver
+    from lightning_parallel.cli.run_folder import register_resolver
 
     register_resolver()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
@@ -43,7 +44,7 @@ def measure(line: list[str], user: list[str], steps: int, timeout: float = 900) 
     :class:`~lightning_parallel.callbacks.ThroughputReport`'s, after 3 warm-up batches.
     """
     with tempfile.TemporaryDirectory(prefix="lp-plan-") as folder:
-        command = [sys.executable, "-m", "lightning_parallel.train", *user, *line, f"trainer.max_steps={steps}",
+        command = [sys.executable, "-m", "lightning_parallel.cli.train", *user, *line, f"trainer.max_steps={steps}",
                    "++trainer.limit_val_batches=0", "logger=none", "callbacks=none", "++trainer.enable_progress_bar=false",
                    "+callbacks.throughput._target_=lightning_parallel.callbacks.ThroughputReport",
                    "+callbacks.throughput.warmup_batches=3", f"hydra.run.dir={folder}/run"]
@@ -72,9 +73,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def plan_from_args(args: argparse.Namespace) -> tuple[Plan, Any, int]:
     """The plan the command line asks for, the composed config, and the device count per node."""
+    from lightning_parallel.cli.preflight import world_size_of
     from lightning_parallel.planner.cluster import load_cluster
     from lightning_parallel.planner.shapes import llama3_shape
-    from lightning_parallel.preflight import world_size_of
 
     cfg = compose(list(args.overrides))
     world = args.devices or world_size_of(cfg)

@@ -6,7 +6,7 @@ holds the model-state file(s) -- which also carry Lightning's own state (loops, 
 step, schedulers, callbacks) -- and one optimizer-state shard per rank. Under ZeRO 1-3 the
 fp32 weights and the optimizer state (Adam's moments, SGD's momentum) live there as flat
 per-rank partitions, so no single file holds the model. The optimizer state is read by
-:mod:`~lightning_parallel.checkpoints.deepspeed_optimizer`.
+:mod:`~lightning_parallel.checkpoints.deepspeed.optimizer`.
 
 Reading needs DeepSpeed installed and unpickles its files with ``weights_only=False``
 (they hold DeepSpeed objects): read only checkpoints you trust.

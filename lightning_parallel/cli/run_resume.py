@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_parallel.run_folder import LP_DIR, RUN_FILE, read_owner
+from lightning_parallel.cli.run_folder import LP_DIR, RUN_FILE, read_owner
 
 # Overrides of the original run that a resume must not repeat: the resume names its own folder and checkpoint.
 _NOT_REPEATED = ("hydra.run.dir", "hydra.sweep.dir", "ckpt_path", "resume", "+resume", "++resume")

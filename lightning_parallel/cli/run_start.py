@@ -2,7 +2,7 @@
 a validation schedule that ends with a validation, log lines in the run's log file.
 
 Each function takes the composed config and answers with plain values; errors are
-:class:`~lightning_parallel.preflight.ConfigError` (one line and a remedy), raised before any rank starts.
+:class:`~lightning_parallel.cli.preflight.ConfigError` (one line and a remedy), raised before any rank starts.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, open_dict
 
-from lightning_parallel.preflight import ConfigError
-from lightning_parallel.run_folder import claim, external_launch_error, run_id
-from lightning_parallel.run_resume import last_checkpoint, no_checkpoint_message
+from lightning_parallel.cli.preflight import ConfigError
+from lightning_parallel.cli.run_folder import claim, external_launch_error, run_id
+from lightning_parallel.cli.run_resume import last_checkpoint, no_checkpoint_message
+from lightning_parallel.runtime.console import log_to_file
 
 
 def job_label() -> dict[str, Any]:
@@ -148,13 +149,6 @@ def route_logs_to_file() -> None:
             if handler not in logger.handlers:
                 logger.addHandler(handler)
 
-
-def log_to_file(text: str) -> None:
-    """Write ``text`` to the run's log file(s) only, not to the console (tables, tracebacks)."""
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.stream.write(text if text.endswith("\n") else text + "\n")
-            handler.flush()
 
 
 def log_traceback(error: BaseException) -> Optional[str]:

@@ -7,22 +7,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
-from rich.console import Console
-from rich.table import Table
-
+from lightning_parallel.cli.sweep_summary import METRICS_FILE
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallel.activation_checkpoint import describe_choice
 from lightning_parallel.scaling import EffectiveHparams
-from lightning_parallel.sweep_summary import METRICS_FILE
-
-
-def _table(title: str, rows: list[tuple[str, str]]) -> Table:
-    table = Table(title=title, show_header=False, title_justify="left")
-    table.add_column("what", style="bold", no_wrap=True)
-    table.add_column("value")
-    for key, value in rows:
-        table.add_row(key, value)
-    return table
 
 
 def startup_rows(
@@ -82,37 +70,6 @@ def scaling_rows(hparams: EffectiveHparams, reference: Optional[Mapping[str, Any
     return rows
 
 
-def print_table(title: str, rows: list[tuple[str, str]], console: Optional[Console] = None) -> None:
-    """Print a two-column table (rank 0 only: the caller decides); the run's log file gets it too."""
-    from lightning_parallel.run_start import log_to_file
-
-    console = console or Console(width=140, record=True)
-    console.print(_table(title, rows))
-    if console.record:
-        log_to_file(console.export_text())
-
-
-def rank_map_rows(layout: ParallelLayout, limit: int = 16) -> dict[str, str]:
-    """The rank map: which global ranks form each tensor, pipeline and data group.
-
-    Args:
-        layout: the resolved layout.
-        limit: groups shown per axis before eliding.
-    """
-    from lightning_parallel.layout import DATA_PARALLEL, DATA_REPLICATE, DATA_SHARD, PIPELINE_PARALLEL, TENSOR_PARALLEL
-
-    rows = {}
-    axes = [("tensor groups", TENSOR_PARALLEL), ("pipeline groups", PIPELINE_PARALLEL), ("data groups", DATA_PARALLEL)]
-    if layout.hsdp_enabled:  # the data groups split: shard within a group, all-reduce across groups
-        axes += [("data shard groups", DATA_SHARD), ("data replica groups", DATA_REPLICATE)]
-    for label, axis in axes:
-        groups = sorted({tuple(layout.group_ranks(axis, rank)) for rank in range(layout.world_size)})
-        if len(groups[0]) == 1:
-            continue
-        shown = " ".join(str(list(g)) for g in groups[:limit]) + (" ..." if len(groups) > limit else "")
-        rows[label] = shown
-    rows["rank -> (data, pipeline, tensor)"] = " ".join(f"{r}:{tuple(c)}" for r, c in layout.rank_map()[: limit * 2])
-    return rows
 
 
 def log_final_hparams(logger: Any, summary: dict[str, Any], metrics: dict[str, float]) -> None:
@@ -175,7 +132,7 @@ def startup_table(cfg: Any, strategy: Any, layout: ParallelLayout, effective: Ef
         layout: the resolved layout.
         effective: the effective hyperparameters.
         logger: the run's logger (its folder is shown), or False.
-        summary: ``lightning_parallel.train.run_summary`` of the run.
+        summary: ``lightning_parallel.cli.train.run_summary`` of the run.
     """
     import torch
     from omegaconf import OmegaConf
@@ -205,7 +162,7 @@ def result_rows(trainer: Any, metrics: dict[str, float], cfg: Any) -> list[tuple
     """
     from pathlib import Path
 
-    from lightning_parallel.run_resume import last_checkpoint
+    from lightning_parallel.cli.run_resume import last_checkpoint
 
     def shown(value: Any) -> str:
         return f"{value:.4f}" if isinstance(value, float) else str(value)

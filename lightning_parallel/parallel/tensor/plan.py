@@ -1,7 +1,7 @@
 """Tensor parallelism on DTensor: resolve a module's plan, validate it, apply it.
 
 A plan maps submodule names (fnmatch globs such as ``"blocks.*.mlp.up"``) to a style
-name of :data:`STYLE_NAMES` (see :mod:`.tensor_styles` for what each becomes) or a torch
+name of :data:`STYLE_NAMES` (see :mod:`.styles` for what each becomes) or a torch
 ``ParallelStyle``. :func:`resolve_plan` turns it into ``{concrete name: ParallelStyle}``
 for one model and one choice of sequence / loss parallelism, :func:`validate_tensor_parallel`
 checks the sizes (and tied weights) before any process group exists, and
@@ -43,8 +43,8 @@ from lightning_parallel.adapters.hf_tensor import (
     hf_untied_embeddings,
     suite_style,
 )
-from lightning_parallel.parallel.tensor_styles import STYLE_NAMES, to_style
-from lightning_parallel.parallel.tensor_ties import check_ties, restore_ties, tie_groups
+from lightning_parallel.parallel.tensor.styles import STYLE_NAMES, to_style
+from lightning_parallel.parallel.tensor.ties import check_ties, restore_ties, tie_groups
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -258,7 +258,7 @@ def _shards_parameters(style: ParallelStyle) -> bool:
     """Whether ``style`` splits parameters (the suite's input/output and norm styles only move activations)."""
     from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, SequenceParallel
 
-    from lightning_parallel.parallel.tensor_styles import PrepareFirstInput, SumGradients
+    from lightning_parallel.parallel.tensor.styles import PrepareFirstInput, SumGradients
 
     moves_activations = (PrepareModuleInput, PrepareModuleOutput, SequenceParallel, PrepareFirstInput, SumGradients)
     return not isinstance(style, moves_activations)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lightning_parallel._compat import zero_merge_trainable_params
-from lightning_parallel.checkpoints.deepspeed_reader import (
+from lightning_parallel.checkpoints.deepspeed.folder import (
     MODEL_STATES,
     PathLike,
     has_zero_shards,

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel.parallel.partition import Partition, parameter_counts, stage_of_layer
+from lightning_parallel.parallel.pipeline.partition import Partition, parameter_counts, stage_of_layer
 
 SideInputs = Callable[[Any], dict]
 
@@ -53,7 +53,7 @@ def layer_names(module: nn.Module, layers: Sequence[nn.Module]) -> list[str]:
     """Qualified names of ``layers`` inside ``module``, checking they cover its parameters.
 
     A parameter shared by two layers (tied embeddings) is allowed: see
-    :func:`shared_parameters` and :mod:`lightning_parallel.parallel.pipeline_tied`.
+    :func:`shared_parameters` and :mod:`lightning_parallel.parallel.pipeline.tied`.
 
     Raises:
         ValueError: a layer that is not a submodule, layers nested in each other, or a
@@ -224,12 +224,12 @@ def split_module(
     their parameters, so ``module.parameters()`` (what ``configure_optimizers`` sees) and
     ``module.state_dict()`` hold this rank's layers only, under their original names. A
     parameter shared by layers of two ranks (tied embeddings) stays on both; keeping the
-    copies equal is :mod:`~lightning_parallel.parallel.pipeline_tied`'s job.
+    copies equal is :mod:`~lightning_parallel.parallel.pipeline.tied`'s job.
 
     Args:
         module: the full model (modified in place).
         layers: its pipeline layers, in order.
-        bounds: stage boundaries from :func:`~lightning_parallel.parallel.partition.partition_layers`.
+        bounds: stage boundaries from :func:`~lightning_parallel.parallel.pipeline.partition.partition_layers`.
         local_stages: stage indices this rank runs.
         make_stage: builds a stage from ``(name, layer)`` pairs (default :class:`StageModule`).
     """

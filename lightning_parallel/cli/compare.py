@@ -2,7 +2,7 @@
 
 ``lp-compare experiment=nlp_gpt compare.layouts='[single:1,pipeline:2,tensor:2,hybrid:4]' compare.steps=10``
 composes ``lp-train``'s config (``conf/``, the same overrides) once per layout -- each entry a
-``conf/strategy/`` name and a device count -- checks it with :func:`~lightning_parallel.preflight.preflight`,
+``conf/strategy/`` name and a device count -- checks it with :func:`~lightning_parallel.cli.preflight.preflight`,
 and runs :func:`~lightning_parallel.testing.compare.compare_layouts` on it. Every layout trains on
 the same global batch (``compare.global_batch_size``; the per-rank ``data.batch_size`` is derived
 from each layout's data-parallel size) in the same order, with the configured lr and schedule as
@@ -22,8 +22,8 @@ from typing import Any, Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lightning_parallel.preflight import ConfigError, preflight
-from lightning_parallel.train import CONFIG_DIR
+from lightning_parallel.cli.preflight import ConfigError, preflight
+from lightning_parallel.cli.train import CONFIG_DIR
 
 # Trainer settings of the composed config that change the optimisation, passed to every layout.
 TRAINER_KEYS = ("precision", "gradient_clip_val", "gradient_clip_algorithm", "accumulate_grad_batches")

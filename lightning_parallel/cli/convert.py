@@ -1,6 +1,6 @@
 """``lp-convert SRC DST --to dcp|lightning|pt|hf``: the one command for every checkpoint conversion.
 
-The source kind is detected from its files (:func:`~lightning_parallel.checkpoints.foreign.identify_writer`):
+The source kind is detected from its files (:func:`~lightning_parallel.checkpoints.detect.identify_writer`):
 the suite's DCP folder, a Lightning single-file checkpoint or Lightning DCP folder
 (``ModelParallelStrategy``, ``FSDPStrategy`` sharded), or a DeepSpeed ZeRO folder::
 
@@ -28,19 +28,19 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 
 from lightning_parallel.checkpoints.dcp import METADATA_FILE, resolve_checkpoint, save_on_one_process
-from lightning_parallel.checkpoints.deepspeed_reader import (
+from lightning_parallel.checkpoints.deepspeed.convert import convert_checkpoint, convert_to_dcp
+from lightning_parallel.checkpoints.deepspeed.folder import (
     consolidate_state_dict,
     first_model_states,
     lightning_entries,
     load_trusted,
     resolve_folder,
 )
-from lightning_parallel.checkpoints.export import PREFIX, consolidate, export_state_dict, write_state_dict
-from lightning_parallel.checkpoints.foreign import describe_checkpoint, read_lightning_checkpoint
-from lightning_parallel.checkpoints.from_deepspeed import convert_checkpoint, convert_to_dcp
-from lightning_parallel.checkpoints.hf_out import export_hf_folder
+from lightning_parallel.checkpoints.detect import describe_checkpoint, read_lightning_checkpoint
+from lightning_parallel.checkpoints.hf.export import export_hf_folder
+from lightning_parallel.checkpoints.lightning.writer import convert_to_lightning
+from lightning_parallel.checkpoints.pt import PREFIX, consolidate, export_state_dict, write_state_dict
 from lightning_parallel.checkpoints.safe_loading import SafeFileSystemReader, load_plain
-from lightning_parallel.checkpoints.to_lightning import convert_to_lightning
 
 PROG = "lp-convert"
 FORMATS = ("dcp", "lightning", "pt", "hf")

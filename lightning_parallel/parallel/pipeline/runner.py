@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_parallel.parallel import pipeline_tied
-from lightning_parallel.parallel.pipeline_schedules import SCHEDULES, check_microbatches
+from lightning_parallel.parallel.pipeline import tied as pipeline_tied
+from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, check_microbatches
 
 LossFn = Callable[[Any, Any], Union[Tensor, tuple[Tensor, Tensor]]]
 
@@ -59,7 +59,7 @@ class PipelineRunner:
             ``stage_arguments(inputs) -> (args, kwargs)`` and ``tied`` copies to keep in step.
         stage_ids: their stage indices.
         num_stages: total stages.
-        schedule: a key of :data:`~lightning_parallel.parallel.pipeline_schedules.SCHEDULES`.
+        schedule: a key of :data:`~lightning_parallel.parallel.pipeline.schedules.SCHEDULES`.
         microbatches: micro-batches per batch.
         loss_fn: ``(output, target) -> mean loss`` or ``-> (loss_sum, num_items)`` of one micro-batch.
         device: where the stages run.

@@ -32,8 +32,8 @@ from typing import Any, Optional, Union
 import torch
 
 from lightning_parallel.checkpoints.dcp import METADATA_FILE, resolve_checkpoint, single_process
-from lightning_parallel.checkpoints.deepspeed_reader import is_deepspeed_folder
-from lightning_parallel.checkpoints.lightning_reader import (
+from lightning_parallel.checkpoints.deepspeed.folder import is_deepspeed_folder
+from lightning_parallel.checkpoints.lightning.reader import (
     MODEL_KEYS,
     NESTED_GROUP_KEY,
     flatten_nested_groups,

@@ -23,7 +23,8 @@ from typing import Any
 
 from lightning_parallel.planner.candidates import Candidate, SearchSpace
 from lightning_parallel.planner.cluster import load_cluster
-from lightning_parallel.planner.from_config import CONFIG_DIR, checkpointing_modes, shape_of, workload_of
+from lightning_parallel.planner.from_config import checkpointing_modes, shape_of, workload_of
+from lightning_parallel.runtime.config_dir import CONFIG_DIR
 
 PLAN_VERSION = 1  # part of the cache key: a change of the planner's arithmetic plans again
 
@@ -108,7 +109,7 @@ def plan_if_asked(cfg: Any) -> dict[str, str]:
     """
     from omegaconf import DictConfig, OmegaConf, open_dict
 
-    from lightning_parallel.preflight import world_size_of
+    from lightning_parallel.cli.preflight import world_size_of
 
     if not isinstance(cfg.get("strategy"), DictConfig) or not cfg.strategy.get("planned"):
         return {}

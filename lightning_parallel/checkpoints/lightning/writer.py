@@ -30,11 +30,11 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_parallel.checkpoints.dcp import METADATA_FILE, is_sharded_checkpoint, resolve_checkpoint, single_process
-from lightning_parallel.checkpoints.export import write_state_dict
-from lightning_parallel.checkpoints.lightning_reader import MODEL_KEYS, flatten_nested_groups, nested_param_groups
+from lightning_parallel.checkpoints.lightning.reader import MODEL_KEYS, flatten_nested_groups, nested_param_groups
+from lightning_parallel.checkpoints.pt import write_state_dict
 from lightning_parallel.checkpoints.safe_loading import SafeFileSystemReader, SafeLoadPlanner, load_plain
-from lightning_parallel.parallel.pipeline import RemovedLayer
-from lightning_parallel.parallel.pipeline_tied import TIED_COPY_ATTR
+from lightning_parallel.parallel.pipeline.stages import RemovedLayer
+from lightning_parallel.parallel.pipeline.tied import TIED_COPY_ATTR
 
 ORDER_KEY = "param_groups"
 TIED_KEY = "tied_copies"

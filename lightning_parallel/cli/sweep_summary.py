@@ -1,7 +1,7 @@
 """Summarise a Hydra multirun: one row per job, as ``summary.csv`` in the sweep folder and a table.
 
 Each job's rank 0 leaves ``metrics.json`` in its own output folder (the end of
-:func:`lightning_parallel.train.train`); :class:`SweepSummary`, registered under
+:func:`lightning_parallel.cli.train.train`); :class:`SweepSummary`, registered under
 ``hydra.callbacks`` in ``conf/config.yaml``, collects them when the multirun ends, with
 any sweeper (basic grid, Optuna) and any launcher (local, submitit).
 

@@ -10,14 +10,13 @@ Note:
     file another run wrote. Rank 0 is the current process; it gets the same environment
     ``torchrun`` would give, so Lightning sees the processes as externally launched and does
     not launch again. Children run in their own session (a terminal's Ctrl-C reaches the
-    launcher, which forwards it once to each: :mod:`lightning_parallel.signals`) and die with it.
+    launcher, which forwards it once to each: :mod:`lightning_parallel.runtime.signals`) and die with it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,17 +28,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_parallel import signals
-from lightning_parallel.run_folder import ENV_CONFIG_SHA, ENV_RUN_ID, verify_rank_config, write_rank_config
+from lightning_parallel.cli.run_folder import ENV_CONFIG_SHA, ENV_RUN_ID, verify_rank_config, write_rank_config
+from lightning_parallel.runtime import signals
+from lightning_parallel.runtime.ports import free_port
 
 _RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_RANK", "RANK", "LOCAL_WORLD_SIZE")
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (never a fixed port: runs may overlap)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launched_externally() -> bool:
@@ -74,7 +68,7 @@ def processes_to_launch(devices: Any, num_nodes: int) -> int:
 class _ChildWatcher(threading.Thread):
     """Kills the whole run if a child rank dies: the others would wait for it forever.
 
-    A child that exits during a stop (SIGINT/SIGTERM, :mod:`lightning_parallel.signals`) is expected.
+    A child that exits during a stop (SIGINT/SIGTERM, :mod:`lightning_parallel.runtime.signals`) is expected.
     """
 
     def __init__(self, children: list[subprocess.Popen]) -> None:
@@ -117,7 +111,7 @@ def restored_rank_environment() -> Iterator[None]:
 def _start_child(rank: int, config_dir: Path, run_dir: Path, env: dict[str, str]) -> subprocess.Popen:
     """Start local rank ``rank`` on the per-run configuration in ``config_dir``."""
     command = [
-        sys.executable, "-m", "lightning_parallel.train",
+        sys.executable, "-m", "lightning_parallel.cli.train",
         f"--config-path={config_dir}", "--config-name=config",
         # Quoted: sweep folders carry '=' and ',' from the overrides, which Hydra's grammar would parse.
         f"hydra.run.dir='{run_dir}'", "hydra.output_subdir=null", f"hydra.job.name=rank{rank}",

@@ -25,8 +25,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.checkpoints.dcp import save_on_one_process
-from lightning_parallel.checkpoints.deepspeed_optimizer import consolidate_optimizer_state
-from lightning_parallel.checkpoints.deepspeed_reader import (
+from lightning_parallel.checkpoints.deepspeed.folder import (
     PathLike,
     consolidate_state_dict,
     first_model_states,
@@ -34,7 +33,8 @@ from lightning_parallel.checkpoints.deepspeed_reader import (
     load_trusted,
     resolve_folder,
 )
-from lightning_parallel.checkpoints.export import write_state_dict
+from lightning_parallel.checkpoints.deepspeed.optimizer import consolidate_optimizer_state
+from lightning_parallel.checkpoints.pt import write_state_dict
 
 
 def _child(module: nn.Module, name: str) -> nn.Module:

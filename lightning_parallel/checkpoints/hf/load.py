@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_parallel.parallel.pipeline import RemovedLayer
+from lightning_parallel.parallel.pipeline.stages import RemovedLayer
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
