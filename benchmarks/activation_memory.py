@@ -41,11 +41,12 @@ from torch.utils._pytree import tree_flatten
 
 MODES = ("none", "selective", "full")
 HOW = ("How: the GPT recipe scaled so activations dominate (seq 256, 8 blocks, d 64, 4 heads, dropout 0.1, global "
-       "batch 8, 4 micro-batches, 1F1B) is parallelised once per mode in the same processes; the modes take turns step "
-       "by step. Memory: peak bytes of the tensor storages a training step (forward + backward) creates and still holds "
-       "(a dispatch mode follows every storage until it is freed; weights and optimizer state held before the step do "
-       "not count), per rank. Time: median step of the slowest rank. Cut = peak of `none` / peak of the mode (max over "
-       "ranks); time ratio = median over rounds of mode step / `none` step of the same round; CPU-time ratio = "
+       "batch 8, 4 micro-batches, 1F1B) is parallelised once per mode in the same processes; the modes take turns "
+       "step by step. Memory: peak bytes of the tensor storages a training step (forward + backward) creates and "
+       "still holds (a dispatch mode follows every storage until it is freed; weights and optimizer state held "
+       "before the step do not count), per rank. Time: median step of the slowest rank. Cut = peak of `none` / "
+       "peak of the mode (max over ranks); time ratio = median over rounds of mode step / `none` step of the same "
+       "round; CPU-time ratio = "
        "median CPU seconds per step (busiest rank, `process_time`) of the mode / of `none`, insensitive to the "
        "shared machine's load.")
 # name -> ((data, pipeline, tensor) sizes, zero_stage)
@@ -197,7 +198,8 @@ def render_rows(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['layout']} | {mib(r['none']['peak_bytes_per_rank'])} | {mib(r['selective']['peak_bytes_per_rank'])} | "
+            f"| {r['layout']} | {mib(r['none']['peak_bytes_per_rank'])} | "
+            f"{mib(r['selective']['peak_bytes_per_rank'])} | "
             f"{mib(r['full']['peak_bytes_per_rank'])} | {r['none']['step_s']:.3f} | {r['selective']['step_s']:.3f} | "
             f"{r['full']['step_s']:.3f} | {r['selective_memory_cut']:.2f}x / {r['full_memory_cut']:.2f}x | "
             f"{r['selective_time_ratio']:.2f}x / {r['full_time_ratio']:.2f}x | "
@@ -215,7 +217,8 @@ def plot(rows: list[dict], path: Path) -> Path:
     fig, (memory, time_ratio) = plt.subplots(1, 2, figsize=(11, 3.6))
     x = range(len(rows))
     for offset, mode in zip((-0.27, 0.0, 0.27), MODES):
-        memory.bar([i + offset for i in x], [max(r[mode]["peak_bytes_per_rank"]) / 2**20 for r in rows], 0.27, label=mode)
+        peaks = [max(r[mode]["peak_bytes_per_rank"]) / 2**20 for r in rows]
+        memory.bar([i + offset for i in x], peaks, 0.27, label=mode)
         ratios = [1.0 if mode == "none" else r[f"{mode}_time_ratio"] for r in rows]
         time_ratio.bar([i + offset for i in x], ratios, 0.27, label=mode)
     memory.set_ylabel("peak MiB (busiest rank)")
@@ -240,10 +243,12 @@ def main() -> None:
     start = time.perf_counter()
     rows = measure(args.layouts, args.steps, args.dropout)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"model": {**MODEL, "dropout": args.dropout}, "batch": BATCH, "microbatches": MICROBATCHES, "steps": args.steps,
-            "runtime_s": time.perf_counter() - start, "torch": torch.__version__}
+    meta = {"model": {**MODEL, "dropout": args.dropout}, "batch": BATCH, "microbatches": MICROBATCHES,
+            "steps": args.steps, "runtime_s": time.perf_counter() - start, "torch": torch.__version__}
     (args.out / "activation_memory.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    (args.out / "activation_memory.md").write_text(render_rows(rows) + "\n\n![activation memory](activation_memory.png)\n")
+    (args.out / "activation_memory.md").write_text(
+        render_rows(rows) + "\n\n![activation memory](activation_memory.png)\n"
+    )
     plot(rows, args.out / "activation_memory.png")
     print(render_rows(rows))
     print(f"[activation_memory] wrote {args.out}/activation_memory.json and .md in {meta['runtime_s']:.0f} s")

@@ -93,7 +93,10 @@ class CommCounter:
         import sys
 
         backend = getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None)
-        for attr, name in (("all_gather_function", "all_gather_into_tensor"), ("reduce_scatter_function", "reduce_scatter_tensor")):
+        for attr, name in (
+            ("all_gather_function", "all_gather_into_tensor"),
+            ("reduce_scatter_function", "reduce_scatter_tensor"),
+        ):
             if callable(getattr(backend, attr, None)):
                 self._saved.append((backend, attr, getattr(backend, attr)))
                 setattr(backend, attr, self._wrap(name, getattr(backend, attr)))

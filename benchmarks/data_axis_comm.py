@@ -66,8 +66,14 @@ def bytes_per_axis(axes: dict[str, tuple[int, ...]], out: Counter) -> Iterator[N
         def call(*args: Any, **kwargs: Any) -> Any:
             source = args[position] if len(args) > position else kwargs[keyword]
             group = kwargs.get("group")
-            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
-            axis = "group of 1 (a copy)" if len(ranks) == 1 else next((a for a, r in axes.items() if r == ranks), str(ranks))
+            if group is not None:
+                ranks = tuple(dist.get_process_group_ranks(group))
+            else:
+                ranks = tuple(range(dist.get_world_size()))
+            if len(ranks) == 1:
+                axis = "group of 1 (a copy)"
+            else:
+                axis = next((a for a, r in axes.items() if r == ranks), str(ranks))
             out[axis] += source.numel() * source.element_size()
             return original(*args, **kwargs)
         return call
@@ -115,7 +121,12 @@ def _build(rank: int, spec: dict, width: int, depth: int) -> dict:
     axes = {DATA_PARALLEL: tuple(layout.group_ranks(DATA_PARALLEL, rank))}
     if layout.hsdp_enabled:
         axes.update({a: tuple(layout.group_ranks(a, rank)) for a in (DATA_SHARD, DATA_REPLICATE)})
-    return {"module": module, "optimizer": torch.optim.AdamW(module.parameters(), lr=1e-3), "group": group, "axes": axes}
+    return {
+        "module": module,
+        "optimizer": torch.optim.AdamW(module.parameters(), lr=1e-3),
+        "group": group,
+        "axes": axes,
+    }
 
 
 def _step(run: dict, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
@@ -150,7 +161,8 @@ def _worker(rank: int, world_size: int, width: int, depth: int, steps: int) -> d
     def median_ms(name: str, part: int) -> float:
         return 1e3 * statistics.median(t[part] for t in times[name][2:])
 
-    return {name: {"bytes": dict(counted[name]), "step_ms": median_ms(name, 0), "compute_ms": median_ms("compute only", 0),
+    return {name: {"bytes": dict(counted[name]), "step_ms": median_ms(name, 0),
+                   "compute_ms": median_ms("compute only", 0),
                    "optimizer_ms": median_ms(name, 1), "plain_optimizer_ms": median_ms("compute only", 1)}
             for name in LAYOUTS}
 
@@ -182,8 +194,9 @@ def main() -> None:
     per_rank = run_processes(_worker, 4, args.width, args.depth, args.steps, timeout=1800)
     rows = summarise(per_rank)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "data_axis_comm.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows},
-                                                             indent=2))
+    (args.out / "data_axis_comm.json").write_text(
+        json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2)
+    )
     for row in rows:
         print(" | ".join(f"{k}: {v:.2f}" if isinstance(v, float) else f"{k}: {v}" for k, v in row.items()))
 

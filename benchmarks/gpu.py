@@ -30,7 +30,7 @@ def _strategy(name: str) -> Any:
     if name.startswith("deepspeed_zero"):
         from lightning_parallel.strategies import DeepSpeedDataParallelStrategy
 
-        return DeepSpeedDataParallelStrategy(stage=int(name[-1]))
+        return DeepSpeedDataParallelStrategy(zero_stage=int(name[-1]))
     return name  # a Lightning registry name, e.g. "deepspeed_stage_2"
 
 
@@ -51,7 +51,8 @@ def _fit(rank: int, world_size: int, name: str, cfg: dict) -> dict:
 
     model_kwargs = cfg["model"]
     steps = cfg["warmup"] + cfg["steps"]
-    train, _ = load_corpus(None, max_bytes=(steps + 2) * cfg["batch_size"] * (model_kwargs["seq_len"] + 1) + 10**6, val_every=10)
+    max_bytes = (steps + 2) * cfg["batch_size"] * (model_kwargs["seq_len"] + 1) + 10**6
+    train, _ = load_corpus(None, max_bytes=max_bytes, val_every=10)
     data = Subset(ByteWindows(train, model_kwargs["seq_len"]), range((steps + 2) * cfg["batch_size"]))
     torch.manual_seed(0)
     model = GPT(**model_kwargs)
@@ -65,7 +66,8 @@ def _fit(rank: int, world_size: int, name: str, cfg: dict) -> dict:
     flops = flops_per_token(params, model_kwargs["n_layer"], model_kwargs["d_model"], model_kwargs["seq_len"])
     return {"strategy": name, "params": params, "step_ms": round(1e3 * step_s, 2), "tokens_per_s": round(tokens),
             "tflops": round(tokens * flops / 1e12, 1), "mfu": round(tokens * flops / (cfg["peak_tflops"] * 1e12), 4),
-            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "device": torch.cuda.get_device_name()}
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "device": torch.cuda.get_device_name()}
 
 
 def run_gpu(cfg: dict) -> dict:
@@ -86,4 +88,7 @@ def run_gpu(cfg: dict) -> dict:
             rows.append(run_processes(_fit, 1, name, cfg, timeout=300, env={"OMP_NUM_THREADS": "8"})[0])
         except Exception as err:  # noqa: BLE001 - one strategy failing must not lose the others' rows
             rows.append({"strategy": name, "error": str(err)[-400:]})
-    return {"note": f"{cfg['model']}, batch {cfg['batch_size']}, bf16-mixed, peak {cfg['peak_tflops']} TFLOP/s", "rows": rows}
+    return {
+        "note": f"{cfg['model']}, batch {cfg['batch_size']}, bf16-mixed, peak {cfg['peak_tflops']} TFLOP/s",
+        "rows": rows,
+    }

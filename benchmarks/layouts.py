@@ -85,7 +85,9 @@ def make_strategy(kind: str, world: int, args: dict) -> tuple[Any, int]:
         return DeepSpeedDataParallelStrategy(**args), world
     if kind == "lightning_model_parallel":
         return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=world), 1
-    raise ValueError(f"Unknown strategy kind {kind!r}: use single, ddp, pipeline, tensor, deepspeed or lightning_model_parallel.")
+    raise ValueError(
+        f"Unknown strategy kind {kind!r}: use single, ddp, pipeline, tensor, deepspeed or lightning_model_parallel."
+    )
 
 
 class Alternate(pl.Callback):
@@ -135,7 +137,9 @@ class Alternate(pl.Callback):
             if isinstance(trainer.strategy.model, torch.nn.parallel.DistributedDataParallel):
                 self.ddp_buckets = ddp_buckets(trainer.strategy.model)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         entered = time.perf_counter()
         counting = self._counter is not None
         if counting:

@@ -69,7 +69,8 @@ def _counter_callback():
                 self.memory = module_bytes(module, getattr(optimizer, "_optimizer", optimizer))
                 expected = sum(_expected_local(p) for p in module.parameters())
                 split = getattr(trainer.strategy, "pipeline_split", None)
-                if split is not None and not trainer.strategy.options.zero_stage and not trainer.strategy.layout.tensor_parallel_enabled:
+                if (split is not None and not trainer.strategy.options.zero_stage
+                        and not trainer.strategy.layout.tensor_parallel_enabled):
                     # A pure pipeline split: the formula is the stages' parameter count, from the partition.
                     expected = 4 * sum(split.parameters_per_stage[s] for s in split.local_stages)
                 self.memory["expected_params"] = expected

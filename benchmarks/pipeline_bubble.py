@@ -86,7 +86,9 @@ class SavedActivations:
         self.peak = self.live
 
 
-def _rank(rank: int, world_size: int, schedules: dict, microbatches: list, steps: int, model_kwargs: dict, batch: int) -> dict:
+def _rank(
+    rank: int, world_size: int, schedules: dict, microbatches: list, steps: int, model_kwargs: dict, batch: int
+) -> dict:
     import torch.distributed as dist
 
     from examples.nlp.model import GPT
@@ -109,7 +111,9 @@ def _rank(rank: int, world_size: int, schedules: dict, microbatches: list, steps
             stage_ids = stage_ids_for_rank(schedule, rank, world_size, spr)
             bounds = partition_layers(layers, world_size * spr, "parameters")
             _, stages = split_module(model, layers, bounds, stage_ids)
-            last = next(r for r in range(world_size) if world_size * spr - 1 in stage_ids_for_rank(schedule, r, world_size, spr))
+            last = next(
+                r for r in range(world_size) if world_size * spr - 1 in stage_ids_for_rank(schedule, r, world_size, spr)
+            )
             runner = PipelineRunner(stages, stage_ids, world_size * spr, schedule, m, model.pipeline_loss,
                                     torch.device("cpu"), dist.group.WORLD, last)
             timeline = StageTimeline(runner.stages)
@@ -160,7 +164,9 @@ def measure(stages: int = 2, microbatches: tuple = (4, 8), steps: int = 4, model
     for schedule, spr in chosen.items():
         for m in microbatches:
             key = f"{schedule}/{m}"
-            steps_events = [[[ComputeEvent(*e) for e in per_rank[r][key]["events"][s]] for r in range(stages)] for s in range(steps)]
+            steps_events = [
+                [[ComputeEvent(*e) for e in per_rank[r][key]["events"][s]] for r in range(stages)] for s in range(steps)
+            ]
             idle = median_idle(steps_events)
             spans = [max(e.end for rk in st for e in rk) - min(e.start for rk in st for e in rk) for st in steps_events]
             median_step = sorted(range(steps), key=lambda s: spans[s])[steps // 2]
@@ -188,7 +194,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     rows, _ = measure(args.stages, tuple(args.microbatches), args.steps)
-    print(f"{'schedule':26s} {'m':>3s} {'idle per rank':>16s} {'mean':>6s} {'theory':>7s} {'step ms':>8s} {'peak act MiB':>14s}")
+    print(f"{'schedule':26s} {'m':>3s} {'idle per rank':>16s} {'mean':>6s} {'theory':>7s} {'step ms':>8s} "
+          f"{'peak act MiB':>14s}")
     for row in rows:
         peak = "/".join(f"{b / 2**20:.1f}" for b in row["peak_activation_bytes"])
         print(f"{row['schedule']:26s} {row['m']:3d} {row['idle_per_rank']!s:>16s} {row['idle_mean']:6.3f} "

@@ -109,7 +109,8 @@ def _rank(rank: int, world: int, layouts: dict, model_kwargs: dict, steps: int) 
                              use_distributed_sampler=False, callbacks=[probe], limit_val_batches=0)
         model = GPT(**model_kwargs, optimizer=partial(torch.optim.AdamW, lr=1e-3))
         try:
-            trainer.fit(model, datamodule=FixedOrderData(samples, batch_size=GLOBAL_BATCH // kwargs["data_parallel_size"]))
+            data = FixedOrderData(samples, batch_size=GLOBAL_BATCH // kwargs["data_parallel_size"])
+            trainer.fit(model, datamodule=data)
         except Exception as error:  # noqa: BLE001 - a layout the strategy fails on is reported, the others still run
             out.setdefault(name, {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"})
             continue
@@ -194,7 +195,8 @@ def run_case(name: str, steps: int, timeout: float) -> dict:
         measured_states = max(r["params"] + r["grads"] + r["optim"] for r in ranks)
         saved = [r["saved"] for r in ranks] if c.tp == 1 and c.zero == 0 else None
         rows.append({
-            "layout": c.name, "predicted": p.throughput, "measured": c.global_batch / statistics.median(r["step"] for r in ranks),
+            "layout": c.name, "predicted": p.throughput,
+            "measured": c.global_batch / statistics.median(r["step"] for r in ranks),
             "predicted_states": _predicted_states(plan, c), "measured_states": measured_states,
             # What autograd holds: activations, and under FSDP2 (zero_stage 0 runs on it too) the unsharded
             # weights it saves, which are not the registered parameters' storages.
@@ -213,7 +215,9 @@ def _summary(name: str, plan, rows: list[dict]) -> dict:
         "spearman": spearman([r["predicted"] for r in rows], [r["measured"] for r in rows]),
         "pick": pick["layout"], "best_measured": best["layout"], "pick_gap": 1 - pick["measured"] / best["measured"],
         "states_exact": all(r["predicted_states"] == r["measured_states"] for r in rows),
-        "activation_error_max": max((abs(r["predicted_activations"] / r["measured_activations"] - 1) for r in act), default=None),
+        "activation_error_max": max(
+            (abs(r["predicted_activations"] / r["measured_activations"] - 1) for r in act), default=None
+        ),
     }
 
 
@@ -221,7 +225,8 @@ def print_case(result: dict) -> None:
     print(f"\n== {result['case']}: Spearman {result['spearman']:.3f}, pick {result['pick']} "
           f"(gap to best measured {result['best_measured']}: {result['pick_gap']:.1%}), "
           f"states exact {result['states_exact']}, activation error max {result['activation_error_max']}")
-    print(f"{'layout':32s} {'pred/s':>8s} {'meas/s':>8s} {'pred states':>12s} {'meas states':>12s} {'pred act':>10s} {'meas act':>10s}")
+    print(f"{'layout':32s} {'pred/s':>8s} {'meas/s':>8s} {'pred states':>12s} {'meas states':>12s} "
+          f"{'pred act':>10s} {'meas act':>10s}")
     for r in result["rows"]:
         act = f"{r['measured_activations']:10d}" if r["measured_activations"] else f"{'-':>10s}"
         print(f"{r['layout']:32s} {r['predicted']:8.1f} {r['measured']:8.1f} {r['predicted_states']:12d} "

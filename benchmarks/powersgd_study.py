@@ -70,7 +70,8 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
              "| variant | final train loss | gap to exact | final val loss | gap to exact | wall s |",
              "|---|---|---|---|---|---|"]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['final_train_loss']:.4f} | {r['final_train_loss'] - exact['final_train_loss']:+.2e} "
+        lines.append(f"| {name} | {r['final_train_loss']:.4f} "
+                     f"| {r['final_train_loss'] - exact['final_train_loss']:+.2e} "
                      f"| {r['final_val_loss']:.4f} | {r['final_val_loss'] - exact['final_val_loss']:+.2e} "
                      f"| {r['seconds']:.0f} |")
     steps = [s for s, _ in exact["val_curve"]]

@@ -38,8 +38,13 @@ def local_bytes(tensor: Tensor | None) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the optimizer's per-parameter state tensors (AdamW: exp_avg, exp_avg_sq), step counters excluded."""
-    return sum(local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0)
+    """Bytes of the optimizer's per-parameter state tensors (AdamW: exp_avg, exp_avg_sq).
+
+    Step counters excluded.
+    """
+    return sum(
+        local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0
+    )
 
 
 def module_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -279,8 +284,10 @@ class DeepSpeedPipeline(RawLoop):
         # optimizer on what it holds, with the recipe's AdamW settings.
         groups = self.model.configure_optimizers()["optimizer"]
         held = {id(p) for p in self.pipe.parameters()}
-        param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [p for p in g["params"] if id(p) in held]}
-                        for g in groups.param_groups]
+        param_groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [p for p in g["params"] if id(p) in held]}
+            for g in groups.param_groups
+        ]
         optimizer = torch.optim.AdamW([g for g in param_groups if g["params"]])
         self.batch_size: int | None = None
         self._optimizer = optimizer
@@ -292,7 +299,9 @@ class DeepSpeedPipeline(RawLoop):
         config = {"train_batch_size": batch_size, "train_micro_batch_size_per_gpu": micro,
                   "gradient_accumulation_steps": self.microbatches, "gradient_clipping": 0.0,
                   "steps_per_print": 10**9, "zero_allow_untested_optimizer": True}
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=self.pipe, optimizer=self._optimizer, config=config)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=self.pipe, optimizer=self._optimizer, config=config
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, lambda step: 1.0)
         self.batch_size = batch_size
 

@@ -163,9 +163,9 @@ def render_markdown(results: dict, images: list[str]) -> str:
         if "error" in r:
             lines.append(f"| {name} | — | error: {r['error'][:120]} | | | | | | |")
             continue
-        lines.append(f"| {name} | {r['raw_loop']} | {r['trainer_ms']:.2f} | {r['raw_ms']:.2f} | {r['overhead_ms']:+.2f} | "
-                     f"{r['ratio']:.3f} | {r['target_ms']:.2f} | {'yes' if r['target_met'] else '**no**'} | "
-                     f"{r['max_loss_diff_vs_raw']:.1e} |")
+        lines.append(f"| {name} | {r['raw_loop']} | {r['trainer_ms']:.2f} | {r['raw_ms']:.2f} | "
+                     f"{r['overhead_ms']:+.2f} | {r['ratio']:.3f} | {r['target_ms']:.2f} | "
+                     f"{'yes' if r['target_met'] else '**no**'} | {r['max_loss_diff_vs_raw']:.1e} |")
     lines += ["", "## 2. Anchors on the same work", "",
               "How: the anchor runs against the *same* raw loop, alternating step by step as in 1, so ours and the "
               "anchor are compared through their ratios to one raw loop.", "",
@@ -177,9 +177,11 @@ def render_markdown(results: dict, images: list[str]) -> str:
             lines.append(f"| {name} | {r.get('anchor_of')} | error: {r['error'][:160]} | | | | |")
             continue
         lines.append(f"| {name} | {r['anchor_of']} | {r['trainer_ms']:.2f} | {r['raw_ms']:.2f} | {r['ratio']:.3f} | "
-                     f"{ours.get('ratio', float('nan')):.3f} | {r['val_loss']:.4f} / {ours.get('val_loss', float('nan')):.4f} |")
-    lines += ["", "Lightning's own `DeepSpeedStrategy` refuses a CPU accelerator (it checks for CUDA), so on this machine "
-              "`deepspeed_zero*` is compared with raw `deepspeed.initialize` only (section 1); the GPU mode "
+                     f"{ours.get('ratio', float('nan')):.3f} | "
+                     f"{r['val_loss']:.4f} / {ours.get('val_loss', float('nan')):.4f} |")
+    lines += ["", "Lightning's own `DeepSpeedStrategy` refuses a CPU accelerator (it checks for CUDA), "
+              "so on this machine `deepspeed_zero*` is compared with raw `deepspeed.initialize` only (section 1); "
+              "the GPU mode "
               "(`benchmarks/gpu.sh`) is where Lightning's would run.", ""]
     pipe = results.get("pipeline", [])
     if pipe:
@@ -189,7 +191,8 @@ def render_markdown(results: dict, images: list[str]) -> str:
                   "nothing, median over steps; efficiency = 1 − mean idle. Theory: (p−1)/(m+p−1) for v=1 and "
                   "(p−1)/(v·m+p−1) for v stages per rank. Peak activations: max live bytes of tensors autograd saved "
                   "for backward (`saved_tensors_hooks`, counted once per storage, parameters excluded), per rank.", "",
-                  "| schedule | v | m | idle per rank | mean idle | efficiency | theory (p−1)/(m+p−1) | theory (p−1)/(vm+p−1) | step ms | peak activations MiB / rank |",
+                  "| schedule | v | m | idle per rank | mean idle | efficiency | theory (p−1)/(m+p−1) "
+                  "| theory (p−1)/(vm+p−1) | step ms | peak activations MiB / rank |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in pipe:
             lines.append(f"| {r['schedule']} | {r['v']} | {r['m']} | {r['idle_per_rank']} | {r['idle_mean']:.3f} | "
@@ -202,29 +205,32 @@ def render_markdown(results: dict, images: list[str]) -> str:
                   "How: `HybridParallelStrategy` fits 2 steps; just before the second optimizer step each rank sums "
                   "the local bytes of its parameters, their gradients and AdamW's state (DTensors: local shard). "
                   "Formula, computed on the rank from metadata: each parameter's global bytes / the product of the "
-                  "mesh sizes it is sharded over (TP 1/t on planned matrices, FSDP2 1/d); a pure pipeline rank holds its "
-                  "stages' `parameters_per_stage` (≈1/p); gradients = parameters; AdamW state = 2 × parameters. "
+                  "mesh sizes it is sharded over (TP 1/t on planned matrices, FSDP2 1/d); a pure pipeline rank holds "
+                  "its stages' `parameters_per_stage` (≈1/p); gradients = parameters; AdamW state = 2 × parameters. "
                   "`exact` = measured equals formula byte for byte (params / grads / optimizer).", "",
-                  "| layout | world | params MiB / rank | vs single | formula MiB | grads MiB | optimizer MiB | exact p/g/o |",
+                  "| layout | world | params MiB / rank | vs single | formula MiB | grads MiB | optimizer MiB "
+                  "| exact p/g/o |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in mem:
+            exact = "/".join("yes" if r[k] else "**no**" for k in ("params_exact", "grads_exact", "optim_exact"))
             lines.append(f"| {r['layout']} | {r['world']} | {' / '.join(_mib(b) for b in r['params'])} | "
                          f"{r['params_ratio']} | {' / '.join(_mib(b) for b in r['expected_params'])} | "
                          f"{' / '.join(_mib(b) for b in r['grads'])} | {' / '.join(_mib(b) for b in r['optim'])} | "
-                         f"{'/'.join('yes' if r[k] else '**no**' for k in ('params_exact', 'grads_exact', 'optim_exact'))} |")
+                         f"{exact} |")
         lines.append("")
     ds = results.get("deepspeed_memory", [])
     if ds:
         lines += ["DeepSpeed ZeRO (rank 0; read from the engine's ZeRO optimizer before `engine.step`: parameters — "
                   "ZeRO-3 its partition —, gradient partitions, the fp32 partition it steps, AdamW state). fp32 on "
                   "CPU: formula bytes/param beside the mixed-precision ones of the ZeRO paper.", "",
-                  "| stage | N | params MiB | grads MiB | fp32 partition MiB | optimizer MiB | bytes/param measured | fp32 formula | mixed-precision formula |",
+                  "| stage | N | params MiB | grads MiB | fp32 partition MiB | optimizer MiB | bytes/param measured "
+                  "| fp32 formula | mixed-precision formula |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in ds:
             m = r["measured"]
-            lines.append(f"| ZeRO-{r['stage']} | {r['N']} | {_mib(m['params'])} | {_mib(m['grads'])} | {_mib(m.get('master', 0))} | "
-                         f"{_mib(m['optim'])} | {r['bytes_per_param']} | {r['formula_fp32']} = {r['formula_fp32_value']} | "
-                         f"{r['formula_mixed_precision']} |")
+            lines.append(f"| ZeRO-{r['stage']} | {r['N']} | {_mib(m['params'])} | {_mib(m['grads'])} | "
+                         f"{_mib(m.get('master', 0))} | {_mib(m['optim'])} | {r['bytes_per_param']} | "
+                         f"{r['formula_fp32']} = {r['formula_fp32_value']} | {r['formula_mixed_precision']} |")
         lines.append("")
     lines += ["## 5. Communication per step (rank 0)", "",
               "How: one extra step on each side runs inside `CommCounter` (`benchmarks/comm.py`): `torch.distributed` "
@@ -242,16 +248,20 @@ def render_markdown(results: dict, images: list[str]) -> str:
             ours += f"; DDP buckets ×{len(r['ddp_buckets_bytes'])} ({sum(r['ddp_buckets_bytes']) / MiB:.2f})"
             raw += f"; DDP buckets ×{len(r['raw_ddp_buckets_bytes'])} ({sum(r['raw_ddp_buckets_bytes']) / MiB:.2f})"
         exp = expected.get(name)
-        exp_text = (", ".join(f"{op} ×{v['count']}" for op, v in exp.items() if op != "why") + f" — {exp['why']}") if exp else ""
+        exp_text = ""
+        if exp:
+            exp_text = ", ".join(f"{op} ×{v['count']}" for op, v in exp.items() if op != "why") + f" — {exp['why']}"
         lines.append(f"| {name} | {ours} | {raw} | {exp_text} |")
     for r in mem:
         if r.get("comm"):
             lines.append(f"| hybrid {r['layout']} (world {r['world']}) | "
-                         + ", ".join(f"{op} ×{v['count']:g} ({v['bytes'] / MiB:.2f})" for op, v in r["comm"].items()) + " | | |")
+                         + ", ".join(f"{op} ×{v['count']:g} ({v['bytes'] / MiB:.2f})" for op, v in r["comm"].items())
+                         + " | | |")
     lines += ["", "## 6. Scaling and accuracy", "",
               "How: throughput = global batch × seq_len / Trainer step time; ratio to the single-device Trainer run. "
               "Validation loss of the recipe after the same samples (same data order in every layout).", "",
-              "| layout | world | tokens/s | vs single | samples | val loss | raw loop val loss |", "|---|---|---|---|---|---|---|"]
+              "| layout | world | tokens/s | vs single | samples | val loss | raw loop val loss |",
+              "|---|---|---|---|---|---|---|"]
     for name, r in layouts.items():
         if "error" not in r:
             lines.append(f"| {name} | {r['world']} | {r['tokens_per_s']} | {r.get('throughput_vs_single', '')} | "
@@ -340,7 +350,8 @@ def _plots(out: Path, results: dict) -> list[Path]:
         for ax, key in zip(axes[:, 0], keys):
             for rank, events in enumerate(timelines[key]):
                 for stage, kind, mb, start, end in events:
-                    ax.barh(rank, (end - start) * 1e3, left=start * 1e3, color=colors[kind], edgecolor="white", linewidth=0.3)
+                    ax.barh(rank, (end - start) * 1e3, left=start * 1e3, color=colors[kind], edgecolor="white",
+                            linewidth=0.3)
             ax.set_yticks(range(len(timelines[key])), [f"rank {r}" for r in range(len(timelines[key]))], fontsize=7)
             ax.invert_yaxis()
             ax.set_title(key.replace("/", ", m="), fontsize=8, loc="left")

@@ -39,7 +39,9 @@ def _quick_flag(argv: list[str]) -> list[str]:
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, check=False).stdout.strip() or "unknown"
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              check=False)
+        return done.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -76,7 +78,9 @@ def run(cfg: dict[str, Any]) -> tuple[dict, Path]:
         from benchmarks.pipeline_bubble import measure as bubble
 
         p = cfg["pipeline"]
-        rows, timelines = bubble(2, tuple(p["microbatches"]), p["steps"], cfg["model"], cfg["batch_size"], p["schedules"])
+        rows, timelines = bubble(
+            2, tuple(p["microbatches"]), p["steps"], cfg["model"], cfg["batch_size"], p["schedules"]
+        )
         results["pipeline"], results["pipeline_timelines"] = rows, timelines
         print(f"[benchmarks] pipeline done at {time.perf_counter() - start:.0f} s", flush=True)
     if "memory" in sections:
@@ -94,13 +98,17 @@ def run(cfg: dict[str, Any]) -> tuple[dict, Path]:
 
         results["gpu"] = run_gpu(cfg["gpu_run"])
     else:
-        results["gpu"] = {"note": "Not run (gpu=false). `benchmarks/gpu.sh` runs it on one CUDA device; without CUDA it skips."}
+        results["gpu"] = {
+            "note": "Not run (gpu=false). `benchmarks/gpu.sh` runs it on one CUDA device; without CUDA it skips."
+        }
     import deepspeed
 
     results["meta"] = {
         "date": cfg["date"], "quick": cfg["quick"], "runtime_s": time.perf_counter() - start, "commit": _commit(),
         "command": "python -m benchmarks.run" + (" --quick" if cfg["quick"] else ""),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {'CUDA' if torch.cuda.is_available() else 'no GPU'}",
+        "machine": (
+            f"{platform.machine()}, {os.cpu_count()} CPU cores, {'CUDA' if torch.cuda.is_available() else 'no GPU'}"
+        ),
         "torch": torch.__version__, "lightning": lightning.__version__, "deepspeed": deepspeed.__version__,
         "model": cfg["model"], "batch_size": cfg["batch_size"], "steps": cfg["steps"], "warmup": cfg["warmup"],
     }
@@ -108,7 +116,8 @@ def run(cfg: dict[str, Any]) -> tuple[dict, Path]:
 
     out = Path(cfg["out_dir"]) / str(cfg["date"])
     written = write_all(out, results, cfg["plots"])
-    print(f"[benchmarks] wrote {', '.join(str(p) for p in written)} in {results['meta']['runtime_s']:.0f} s", flush=True)
+    print(f"[benchmarks] wrote {', '.join(str(p) for p in written)} in {results['meta']['runtime_s']:.0f} s",
+          flush=True)
     return results, out
 
 

@@ -99,7 +99,8 @@ DEEPSPEED_STRATEGY_OVERRIDES: dict[str, tuple[tuple[str, ...], str]] = {
 
 
 def auto_select_batch_size(strategy: Any) -> int:
-    """The train loader's batch size as Lightning's DeepSpeedStrategy infers it for ``train_micro_batch_size_per_gpu``."""
+    """The train loader's batch size, as Lightning's DeepSpeedStrategy infers it for
+    ``train_micro_batch_size_per_gpu``."""
     return strategy._auto_select_batch_size()
 
 
@@ -151,7 +152,10 @@ def epoch_end_loop_progress(trainer: pl.Trainer) -> dict[str, Any]:
 
 
 def drop_loader_position(fit_state: dict[str, Any]) -> None:
-    """Remove the saved data-loader position from a fit-loop checkpoint entry (Lightning stores it as ``combined_loader``)."""
+    """Remove the saved data-loader position from a fit-loop checkpoint entry.
+
+    Lightning stores it as ``combined_loader``.
+    """
     fit_state.get("state_dict", {}).pop("combined_loader", None)
 
 
@@ -186,7 +190,10 @@ def dcp_metadata_path(reader: Any, rank: Optional[int]) -> Any:
 
 
 def load_planner_target(planner: Any) -> tuple[bool, dict[str, Any], dict[str, Any], Any]:
-    """A DefaultLoadPlanner's ``(flatten_state_dict, original_state_dict, state_dict, mappings)`` (undocumented attributes)."""
+    """A DefaultLoadPlanner's ``(flatten_state_dict, original_state_dict, state_dict, mappings)``.
+
+    Undocumented attributes.
+    """
     return planner.flatten_state_dict, planner.original_state_dict, planner.state_dict, planner.mappings
 
 

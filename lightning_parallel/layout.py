@@ -121,7 +121,8 @@ class _World(NamedTuple):
 
     def too_many_autos(self, sizes: Mapping[str, Size], auto: list[str]) -> str:
         divisors = ", ".join(str(d) for d in range(1, self.size + 1) if self.size % d == 0)
-        return (f"Only one size can be 'auto', got {' and '.join(self.setting(sizes, [a]) for a in auto)} on {self.describe()}. Fix: give "
+        return (f"Only one size can be 'auto', got {' and '.join(self.setting(sizes, [a]) for a in auto)} "
+                f"on {self.describe()}. Fix: give "
                 f"{' and '.join(self.names[a] for a in auto[1:])} an explicit size (a divisor of {self.size}: "
                 f"{divisors}) and leave {self.names[auto[0]]}='auto'.")
 
@@ -164,7 +165,9 @@ class ParallelLayout:
         for name in ("world_size", "data_parallel", "pipeline_parallel", "tensor_parallel"):
             value = getattr(self, name)
             if value == "auto":
-                raise ValueError(f"{name}='auto' must be resolved first: build the layout with ParallelLayout.resolve().")
+                raise ValueError(
+                    f"{name}='auto' must be resolved first: build the layout with ParallelLayout.resolve()."
+                )
             check_size(name, value)
         sizes = {DATA_PARALLEL: self.data_parallel, PIPELINE_PARALLEL: self.pipeline_parallel,
                  TENSOR_PARALLEL: self.tensor_parallel}
@@ -306,7 +309,9 @@ class ParallelLayout:
         return f"{data} x pp{self.pipeline_parallel} x tp{self.tensor_parallel}"
 
 
-def _replica_groups(data_parallel: int, replicate: Optional[int], shard: Optional[int], names: Mapping[str, str]) -> int:
+def _replica_groups(
+    data_parallel: int, replicate: Optional[int], shard: Optional[int], names: Mapping[str, str]
+) -> int:
     """``data_replicate`` from the requested HSDP split of a resolved data axis (1 when none is asked)."""
     rep_name, shard_name = names.get(DATA_REPLICATE, DATA_REPLICATE), names.get(DATA_SHARD, DATA_SHARD)
     for name, value in ((rep_name, replicate), (shard_name, shard)):

@@ -28,17 +28,19 @@ this suite, which use them to split the model:
   batch as ``sum(loss_sum) / sum(num_items)`` over all its micro-batches and data-parallel
   ranks -- the single-process loss -- instead of averaging per-micro-batch means.
 * ``pipeline_split_batch(batch)`` -- how a batch splits into model input and target
-  (default: an ``(inputs, targets)`` pair; for a module holding a Hugging Face model, a
-  dict batch splits into the dict without ``labels`` and the ``labels``).
+  (default: an ``(inputs, targets)`` pair; a model adapter may know better -- for a module
+  holding a Hugging Face model, a dict batch splits into the dict without ``labels`` and the
+  ``labels``).
 * ``tensor_parallel_plan()`` -- submodule names (fnmatch globs such as ``"blocks.*.mlp.up"``
   allowed) mapped to a torch ``ParallelStyle`` or a style name of
   :data:`lightning_parallel.parallel.tensor.plan.STYLE_NAMES`. Reshape activations with ``-1``
   for the sharded dimension (``view(B, T, -1, head_dim)``) so a rank can hold a slice of
   the heads.
 
-A module that defines none of the pipeline methods but holds a Hugging Face decoder-only
-causal LM is split from the model's own pipeline plan (:mod:`lightning_parallel.adapters.hf_pipeline`),
-with ``transformers``' causal-LM loss taken as token-weighted terms.
+A module that defines none of these methods may still be split when a model adapter
+understands it (:func:`lightning_parallel.adapters.adapt`): a Hugging Face decoder-only causal LM
+is split from the model's own pipeline plan, with ``transformers``' causal-LM loss taken as
+token-weighted terms. This module knows only the protocol; the adapters build on it.
 
 The recipes under ``examples/`` implement these methods without importing anything from
 the suite but :mod:`lightning_parallel.resumable_loader` (never ``strategies`` or
@@ -47,51 +49,23 @@ the suite but :mod:`lightning_parallel.resumable_loader` (never ``strategies`` o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
-
-from lightning_parallel.adapters.hf import find_hf_model
 
 
 def split_batch(module: nn.Module, batch: Any) -> tuple[Any, Any]:
     """Split ``batch`` into ``(inputs, targets)`` the way ``module`` asks.
 
-    Uses ``module.pipeline_split_batch`` when the module defines it; otherwise a dict batch
-    of a module holding a Hugging Face model splits into ``(the dict without "labels",
-    labels)``, and any other batch must be an ``(inputs, targets)`` pair.
+    Uses ``module.pipeline_split_batch`` when the module defines it; otherwise the model's
+    adapter decides (a Hugging Face model's dict batch splits into ``(the dict without
+    "labels", labels)``), and any other batch must be an ``(inputs, targets)`` pair. Callers
+    that already hold the run's adapter ask it directly (``adapter.split_batch(batch)``).
 
     Args:
         module: the LightningModule (or any module following the protocol).
         batch: one batch from the data loader.
     """
-    custom = getattr(module, "pipeline_split_batch", None)
-    if callable(custom):
-        return custom(batch)
-    if isinstance(batch, Mapping) and find_hf_model(module) is not None:
-        if "labels" not in batch:
-            raise ValueError(
-                f"The batch holds {sorted(batch)} but no 'labels': a Hugging Face causal LM's pipeline needs the labels "
-                "as targets. Add labels to the batch (input_ids with -100 where no loss is taken), or define "
-                "pipeline_split_batch(batch) -> (inputs, targets) on the module."
-            )
-        return {k: v for k, v in batch.items() if k != "labels"}, batch["labels"]
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    raise ValueError(
-        f"Batches must be (inputs, targets) pairs, got {type(batch).__name__}"
-        f"{' of length ' + str(len(batch)) if isinstance(batch, (tuple, list)) else ''}. "
-        "Return pairs from the dataset, or define pipeline_split_batch(batch) -> (inputs, targets) on the module."
-    )
+    from lightning_parallel.parallel.adapter import ModelAdapter  # the engine's vocabulary; no adapter imported
 
-
-def require_pipeline_module(module: nn.Module) -> None:
-    """Raise a ``ValueError`` naming what is missing if ``module`` cannot be pipelined.
-
-    A module defining ``pipeline_layers()`` needs a loss (``pipeline_loss_terms`` or
-    ``pipeline_loss``); one holding a Hugging Face model is checked by its adapter.
-    """
-    from lightning_parallel.adapters.pipeline_plan import pipeline_plan
-
-    pipeline_plan(module)
+    return ModelAdapter.resolve(module).split_batch(batch)

@@ -61,7 +61,9 @@ def resumable_loader(
         A :class:`StatefulDataLoader` with a :class:`StatefulDistributedSampler`.
     """
     if "sampler" in loader_kwargs or "batch_sampler" in loader_kwargs:
-        raise ValueError("resumable_loader builds its own sampler: drop sampler=/batch_sampler= (use shuffle= and seed=).")
+        raise ValueError(
+            "resumable_loader builds its own sampler: drop sampler=/batch_sampler= (use shuffle= and seed=)."
+        )
     strategy = getattr(trainer, "strategy", None)
     shard = getattr(strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
     sampler = StatefulDistributedSampler(

@@ -82,7 +82,8 @@ def _indivisible_message(global_batch: int, micro_batch_size: int, data_parallel
     """Why ``fixed_global_batch`` cannot reach ``global_batch``, and the values that would."""
     head = (
         f"fixed_global_batch cannot reach the reference global batch {global_batch} with micro-batch "
-        f"{micro_batch_size} x data-parallel {data_parallel} = {micro_batch_size * data_parallel} per accumulation step."
+        f"{micro_batch_size} x data-parallel {data_parallel} = {micro_batch_size * data_parallel} "
+        "per accumulation step."
     )
     if global_batch % data_parallel:
         sizes = [d for d in _divisors(global_batch) if d <= 4 * data_parallel][-6:]
@@ -92,7 +93,8 @@ def _indivisible_message(global_batch: int, micro_batch_size: int, data_parallel
             f"or set scaling.reference.global_batch_size to a multiple of {data_parallel}, or use scaling=linear/sqrt."
         )
     micro = _divisors(global_batch // data_parallel)[-6:]
-    return f"{head} Use a micro-batch (data.batch_size) such that micro x {data_parallel} divides {global_batch}: {micro}."
+    return (f"{head} Use a micro-batch (data.batch_size) such that micro x {data_parallel} divides {global_batch}: "
+            f"{micro}.")
 
 
 def rescale(

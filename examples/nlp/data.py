@@ -34,7 +34,9 @@ def _corpus_files(path: str | None) -> list[Path]:
         p for p in root.rglob("*") if p.suffix in suffixes and p.is_file() and "site-packages" not in p.parts
     )
     if not files:
-        raise ValueError(f"No text files ({', '.join(sorted(suffixes))}) under {root}: point data.path at a text corpus.")
+        raise ValueError(
+            f"No text files ({', '.join(sorted(suffixes))}) under {root}: point data.path at a text corpus."
+        )
     return files
 
 
@@ -163,7 +165,9 @@ class TextDataModule(pl.LightningDataModule):
         windows = ByteWindows(self.val_data, self.hparams.seq_len)
         limit = min(len(windows), self.hparams.max_val_batches * self.hparams.batch_size)
         subset = torch.utils.data.Subset(windows, range(limit))
-        return DataLoader(subset, batch_size=self.hparams.batch_size, drop_last=True, num_workers=self.hparams.num_workers)
+        return DataLoader(
+            subset, batch_size=self.hparams.batch_size, drop_last=True, num_workers=self.hparams.num_workers
+        )
 
     def test_dataloader(self) -> DataLoader:
         # The test split through this class's own val_dataloader, so that a subclass that changes the

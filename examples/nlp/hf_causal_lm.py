@@ -84,7 +84,9 @@ def build_config(config: str, overrides: Optional[dict[str, Any]] = None, vocab_
             f"use a family name such as {', '.join(sorted(FAMILY_DEFAULTS))}, or a local save_pretrained folder."
         )
     if getattr(cfg, "is_encoder_decoder", False):
-        raise ValueError(f"model.config={config!r} is an encoder-decoder ({type(cfg).__name__}): pick a decoder-only model.")
+        raise ValueError(
+            f"model.config={config!r} is an encoder-decoder ({type(cfg).__name__}): pick a decoder-only model."
+        )
     return cfg
 
 

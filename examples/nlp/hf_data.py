@@ -96,4 +96,6 @@ class PaddedTextDataModule(TextDataModule):
     def val_dataloader(self) -> DataLoader:
         documents = self.documents(self.val_data)
         subset = Subset(documents, range(min(len(documents), self.hparams.max_val_batches * self.hparams.batch_size)))
-        return DataLoader(subset, batch_size=self.hparams.batch_size, drop_last=True, num_workers=self.hparams.num_workers)
+        return DataLoader(
+            subset, batch_size=self.hparams.batch_size, drop_last=True, num_workers=self.hparams.num_workers
+        )

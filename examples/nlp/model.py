@@ -88,7 +88,9 @@ class GPT(pl.LightningModule):
     ) -> None:
         super().__init__()
         if d_model % n_head:
-            raise ValueError(f"n_head={n_head} must divide d_model={d_model}: pick n_head among the divisors of d_model.")
+            raise ValueError(
+                f"n_head={n_head} must divide d_model={d_model}: pick n_head among the divisors of d_model."
+            )
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=3e-3)
         self.embed = TokenEmbedding(vocab_size, d_model, seq_len, dropout)

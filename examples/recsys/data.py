@@ -168,7 +168,9 @@ def read_criteo_tsv(path: str, buckets: int, max_rows: int | None = None) -> Cli
     """
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ValueError(f"data.path={path!r} is not a file: point it at a Criteo-format TSV (or null for synthetic data).")
+        raise ValueError(
+            f"data.path={path!r} is not a file: point it at a Criteo-format TSV (or null for synthetic data)."
+        )
     if buckets < 2:
         raise ValueError(f"criteo_buckets={buckets} must be >= 2 (row 0 is kept for missing values).")
     labels, dense, sparse = [], [], []
@@ -290,7 +292,10 @@ class ClickDataModule(pl.LightningDataModule):
         self.setup()
         # drop_last keeps one batch shape; the evaluation report reads the whole split.
         return DataLoader(
-            self.logs[split].dataset(), batch_size=self.hparams.batch_size, drop_last=True, num_workers=self.hparams.num_workers
+            self.logs[split].dataset(),
+            batch_size=self.hparams.batch_size,
+            drop_last=True,
+            num_workers=self.hparams.num_workers,
         )
 
     def val_dataloader(self) -> DataLoader:

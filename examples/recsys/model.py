@@ -99,7 +99,9 @@ class DLRM(pl.LightningModule):
             self.embeddings = nn.ModuleDict({str(j): nn.Embedding(n, embedding_dim) for j, n in enumerate(table_sizes)})
             self.bottom = mlp([num_dense, *bottom_widths, embedding_dim], last_activation=True)
             self.interaction = DotInteraction()
-            self.top = mlp([embedding_dim + num_features * (num_features - 1) // 2, *top_widths, 1], last_activation=False)
+            self.top = mlp(
+                [embedding_dim + num_features * (num_features - 1) // 2, *top_widths, 1], last_activation=False
+            )
             for table in self.embeddings.values():
                 # Unit-norm rows on average: dot products start O(1), so the interaction
                 # is learned from the first steps (a small init sits near the saddle at 0).

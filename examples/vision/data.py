@@ -182,7 +182,9 @@ class ImageDataModule(pl.LightningDataModule):
             )
         train, val, test = stratified_split(labels, hp.val_fraction, hp.test_fraction, hp.split_seed)
         x, y = torch.from_numpy(images), torch.from_numpy(labels)
-        self.splits = {name: TensorDataset(x[idx], y[idx]) for name, idx in (("train", train), ("val", val), ("test", test))}
+        self.splits = {
+            name: TensorDataset(x[idx], y[idx]) for name, idx in (("train", train), ("val", val), ("test", test))
+        }
 
     def train_dataset(self, augment: bool = True) -> Dataset:
         """The training split (randomly shifted when ``augment`` and ``max_shift > 0``)."""

@@ -105,7 +105,9 @@ class ViT(pl.LightningModule):
     ) -> None:
         super().__init__()
         if d_model % n_head:
-            raise ValueError(f"n_head={n_head} must divide d_model={d_model}: pick n_head among the divisors of d_model.")
+            raise ValueError(
+                f"n_head={n_head} must divide d_model={d_model}: pick n_head among the divisors of d_model."
+            )
         if image_size % patch_size:
             raise ValueError(
                 f"patch_size={patch_size} must divide image_size={image_size}: pick a divisor, or resize the images "

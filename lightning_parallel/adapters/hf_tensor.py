@@ -20,35 +20,13 @@ would see only the slice without being planned is refused, naming its class.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from torch import nn
 
 from lightning_parallel import _compat
-from lightning_parallel.adapters.hf import find_hf_model
+from lightning_parallel.parallel.tensor.aliases import HF_STYLES, RefusedStyle, suite_style  # noqa: F401 (HF_STYLES, suite_style re-exported)
 from lightning_parallel.parallel.tensor.styles import is_norm
-
-# transformers style name -> the suite's style name of the same numerics (None: nothing to do).
-HF_STYLES: dict[str, Optional[str]] = {
-    "colwise": "colwise",  # weight Shard(0), replicated input, local output sharded on the last dim
-    "rowwise": "rowwise",  # weight Shard(1), input sharded on the last dim, output all-reduced
-    # transformers >= 5.25 plans q/k/v and o_proj "by unit" (whole heads per rank), replicating heads
-    # when the tensor size exceeds or does not divide the head count. Where it divides, that is colwise
-    # and rowwise exactly; hf_head_dimensions refuses the other sizes before anything runs, so the
-    # replicated-head layout (a 2-D sub-mesh no public torch style gives) is never approximated.
-    "unit_colwise": "colwise",
-    "unit_rowwise": "rowwise",
-    "colwise_rep": "colwise_gather",  # colwise, output all-gathered
-    "colwise_gather_output": "colwise_gather",
-    "rowwise_rep": "rowwise_replicated_input",  # rowwise on a whole input: each rank slices its rows
-    "rowwise_split_input": "rowwise_replicated_input",
-    "embedding_rowwise": "embedding_rowwise",  # vocabulary rows sharded, partial lookups summed
-    "embedding_colwise": "embedding_colwise",  # features sharded, output gathered
-    "sequence_parallel": "sequence_local",  # a norm on the sequence slice (needs sequence_parallel=True)
-    "replicated_with_grad_allreduce": "replicated_grad_sum",  # per-head norms: whole weight, gradients summed
-    "replicate": None,  # every rank keeps the whole parameter: what an unplanned module does
-}
 
 _MOE = "mixture-of-experts layers need expert routing and a partial-output reduction the suite does not implement"
 _LOCAL = ("transformers' local-tensor styles leave partial sums for a parent's 'gather' entry to reduce, outside "
@@ -64,28 +42,6 @@ REFUSED_STYLES: dict[str, str] = {
 }
 
 
-@dataclass(frozen=True)
-class RefusedStyle:
-    """A transformers style the suite cannot run; resolving a plan that still holds it raises.
-
-    Attributes:
-        hf_style: the transformers style name.
-        model: the class name of the Hugging Face model whose plan holds it.
-        reason: why, and the user-side remedy.
-    """
-
-    hf_style: str
-    model: str
-    reason: str
-
-    def error(self, name: str) -> ValueError:
-        """The error for the plan entry ``name``."""
-        return ValueError(
-            f"{self.model}'s tensor-parallel plan gives {name!r} the transformers style {self.hf_style!r}, which the "
-            f"suite cannot run: {self.reason}. Replace or remove the entry with the strategy's plan= "
-            f"(plan={{{name!r}: None}} or another style), or define tensor_parallel_plan() on the LightningModule."
-        )
-
 
 def _model_plan(model: nn.Module) -> dict[str, Any]:
     """``model.tp_plan`` (transformers >= 5), else the class's ``_tp_plan`` plus ``config.base_model_tp_plan``."""
@@ -98,11 +54,6 @@ def _model_plan(model: nn.Module) -> dict[str, Any]:
     base_root = f"{prefix}." if prefix and hasattr(model, prefix) else ""
     merged.update({f"{base_root}{key}": value for key, value in base_plan.items()})
     return merged
-
-
-def suite_style(value: Any) -> Any:
-    """A transformers style name given in a user's plan, as the suite's name (other values unchanged)."""
-    return HF_STYLES.get(value, value) if isinstance(value, str) and value in HF_STYLES and value != "replicate" else value
 
 
 def _translate(value: Any, model: nn.Module) -> Any:
@@ -120,24 +71,21 @@ def _base_prefix(model: nn.Module) -> str:
     return next((name for name, sub in model.named_modules() if sub is base), "")
 
 
-def hf_tensor_plan(module: nn.Module, *, sequence_parallel: bool = False) -> Optional[tuple[str, dict[str, Any]]]:
-    """The plan of the Hugging Face model held by ``module``, keyed by names inside ``module``.
+def hf_tensor_plan(prefix: str, model: nn.Module, *, sequence_parallel: bool = False) -> tuple[str, dict[str, Any]]:
+    """The plan of the Hugging Face ``model`` held at ``prefix``, keyed by names inside the LightningModule.
 
     Args:
-        module: a LightningModule (or any module) holding a ``PreTrainedModel``, or one.
+        prefix: the model's attribute path in the LightningModule (``""`` when it is the model).
+        model: the ``PreTrainedModel``.
         sequence_parallel: add the entries that shard the residual stream along the sequence.
 
     Returns:
         ``(source, plan)``: a description for messages and ``{pattern: suite style name, None
-        or RefusedStyle}``; None when ``module`` holds no Hugging Face model.
+        or RefusedStyle}``.
 
     Raises:
         ValueError: ``sequence_parallel`` on a model the suite cannot shard along the sequence.
     """
-    found = find_hf_model(module)
-    if found is None:
-        return None
-    prefix, model = found
     source = f"the tp_plan of {type(model).__name__}" + (f" (at {prefix!r})" if prefix else "")
     plan = {key: _translate(value, model) for key, value in _model_plan(model).items()}
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
@@ -230,7 +178,7 @@ _QUERY = ("q_proj", "qkv_proj", "query_key_value", "c_attn")
 _KEY_VALUE = ("k_proj", "v_proj")
 
 
-def hf_head_dimensions(module: nn.Module, plan: dict[str, Any]) -> list[tuple[str, int]]:
+def hf_head_dimensions(model: nn.Module, plan: dict[str, Any]) -> list[tuple[str, int]]:
     """Head counts from the HF config that ``plan`` splits across tensor ranks, as ``(description, size)``.
 
     A column-sharded query projection with a sharded output splits the attention heads and a
@@ -238,16 +186,13 @@ def hf_head_dimensions(module: nn.Module, plan: dict[str, Any]) -> list[tuple[st
     widths alone do not show (4 ranks over 2 key/value heads of width 8 give a divisible 16).
 
     Args:
-        module: the module holding the HF model (or a pipeline stage of it).
+        model: the Hugging Face model.
         plan: ``{submodule name: ParallelStyle}`` from ``resolve_plan``.
     """
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    found = find_hf_model(module)
-    if found is None:
-        return []
-    config = getattr(found[1], "config", None)
+    config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
     heads = getattr(config, "num_attention_heads", None)
@@ -263,7 +208,7 @@ def hf_head_dimensions(module: nn.Module, plan: dict[str, Any]) -> list[tuple[st
     return dims
 
 
-def hf_untied_embeddings(module: nn.Module) -> Optional[str]:
+def hf_untied_embeddings(model: nn.Module) -> Optional[str]:
     """A description of a Hugging Face model whose config ties the embeddings but whose weights are two tensors.
 
     ``parallelize_module`` and ``to_empty`` (materialising a ``meta`` model) both replace
@@ -271,10 +216,6 @@ def hf_untied_embeddings(module: nn.Module) -> Optional[str]:
     checks the config's promise against the module. None when the model is tied, not
     tied by its config, or one of the two lives on another pipeline stage.
     """
-    found = find_hf_model(module)
-    if found is None:
-        return None
-    model = found[1]
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
     weights = [getattr(m, "weight", None) for m in (inputs, outputs)]

@@ -50,8 +50,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_parallel.adapters import AdapterCache
 from lightning_parallel.callbacks.throughput import find_throughput_report, tensor_leaves
-from lightning_parallel.protocol import split_batch
 
 
 def _map(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
@@ -142,6 +142,7 @@ class EvaluationReport(pl.Callback):
         self.splits = tuple(splits)
         self.title = title
         self.print_table = print_table
+        self._adapter = AdapterCache()
         self.summary: dict[str, float] = {}
         self.readout: dict[str, Any] = {}
         self.latencies: list[float] = []
@@ -174,14 +175,16 @@ class EvaluationReport(pl.Callback):
         """``predict(batch) -> outputs``: one batch through the strategy, padded to the training shape."""
         strategy = trainer.strategy
         module_type = type(trainer.lightning_module)
-        own_predict_step = None if module_type.predict_step is pl.LightningModule.predict_step else module_type.predict_step
+        overridden = module_type.predict_step is not pl.LightningModule.predict_step
+        own_predict_step = module_type.predict_step if overridden else None
 
         def predict(batch: Any, batch_idx: int = 0) -> Any:
             size = batch_size_of(batch)
             padded = pad_batch(batch, self._batch_size) if size < self._batch_size else batch
             padded = strategy.batch_to_device(padded)
             if own_predict_step is None:
-                padded = split_batch(trainer.lightning_module, padded)[0]  # the default predict_step calls self(batch)
+                # the default predict_step calls self(batch)
+                padded = self._adapter(trainer.lightning_module, strategy).split_batch(padded)[0]
             with torch.no_grad():
                 outputs = _plain(strategy.predict_step(padded, batch_idx))
             return _map(outputs, lambda t: t[:size] if t.ndim and t.shape[0] == self._batch_size else t)
@@ -206,7 +209,7 @@ class EvaluationReport(pl.Callback):
             outputs = predict(batch, index)
             if timed and index >= self.latency_warmup:
                 self.latencies.append(time.perf_counter() - start)
-            _, targets = split_batch(pl_module, batch)
+            _, targets = self._adapter(pl_module, trainer.strategy).split_batch(batch)
             for metric in metrics.values():
                 metric.update(outputs, targets.cpu())
         return {f"{split}_{name}": float(metric.compute()) for name, metric in metrics.items()}

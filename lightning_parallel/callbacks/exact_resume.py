@@ -48,7 +48,9 @@ class ExactDataResume(pl.Callback):
     """
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         if not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             return
         fit_state = fit_loop_state(checkpoint)

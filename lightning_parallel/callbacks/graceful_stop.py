@@ -49,7 +49,9 @@ class GracefulStop(pl.Callback):
         return bool(asked.item())
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step == self._last_step:
             return  # mid-accumulation: only an optimizer step is a place to stop (same on every rank)
         self._last_step = trainer.global_step

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_parallel.adapters.hf import find_hf_model
+from lightning_parallel.adapters import adapt
 from lightning_parallel.checkpoints.hf.load import load_hf_weights
 
 
@@ -31,10 +31,10 @@ def hf_model_prefix(module: pl.LightningModule) -> str:
     Raises:
         ValueError: the module holds none, or several unrelated ones.
     """
-    found = find_hf_model(module)
-    if found is None:
+    prefix = adapt(module).weights_prefix()
+    if prefix is None:
         raise ValueError(f"{type(module).__name__} holds no transformers PreTrainedModel: pass prefix= to HuggingFaceWeights.")
-    return found[0] + "." if found[0] else ""
+    return prefix
 
 
 class HuggingFaceWeights(pl.Callback):

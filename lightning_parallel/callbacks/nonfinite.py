@@ -50,7 +50,9 @@ class NonFiniteGuard(pl.Callback):
         self.skipped_steps: list[int] = []
 
     @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
         bad = torch.tensor(0.0 if _local_finite(optimizer) else 1.0, device=pl_module.device)
         bad = trainer.strategy.reduce(bad, reduce_op="max")
         if float(bad) == 0.0:

@@ -31,10 +31,17 @@ class StepProgressBar(TQDMProgressBar):
         self.train_progress_bar.set_description(f"step (epoch {trainer.current_epoch})")
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         bar = self.train_progress_bar
         step = trainer.global_step
-        if bar is not None and not bar.disable and self.refresh_rate and (step % self.refresh_rate == 0 or step == bar.total):
+        if (
+            bar is not None
+            and not bar.disable
+            and self.refresh_rate
+            and (step % self.refresh_rate == 0 or step == bar.total)
+        ):
             bar.n = step
             bar.refresh()
             bar.set_postfix(self.get_metrics(trainer, pl_module))

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_parallel.protocol import split_batch
+from lightning_parallel.adapters import AdapterCache
 
 
 def tensor_leaves(value: Any) -> Iterator[Tensor]:
@@ -76,6 +76,7 @@ class ThroughputReport(pl.Callback):
         self._seen = 0
         self._fit_start: Optional[float] = None
         self.summary: dict[str, float] = {}
+        self._adapter = AdapterCache()
 
     @staticmethod
     def _sync(trainer: pl.Trainer) -> None:
@@ -88,19 +89,23 @@ class ThroughputReport(pl.Callback):
         self._fit_start = time.perf_counter()
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._sync(trainer)
         self._start = time.perf_counter()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._sync(trainer)
         elapsed = time.perf_counter() - self._start
         self._seen += 1
         if self._seen <= self.warmup_batches:
             return
         self.batch_times.append(elapsed)
-        inputs, _ = split_batch(pl_module, batch)
+        inputs, _ = self._adapter(pl_module, trainer.strategy).split_batch(batch)
         dp = data_parallel_size(trainer.strategy)
         # Several inputs (e.g. dense + sparse features): the first tensor counts the samples.
         first = next(tensor_leaves(inputs), None)
@@ -113,7 +118,10 @@ class ThroughputReport(pl.Callback):
             pl_module.log_dict(self.rates(), rank_zero_only=True)
 
     def rates(self) -> dict[str, float]:
-        """``throughput/samples_per_sec`` (and ``tokens_per_sec`` for token inputs) so far; empty before any timed batch."""
+        """``throughput/samples_per_sec`` (and ``tokens_per_sec`` for token inputs) so far.
+
+        Empty before any timed batch.
+        """
         total = sum(self.batch_times)
         if not total:
             return {}
@@ -126,6 +134,8 @@ class ThroughputReport(pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.summary = {
             **self.rates(),
-            "throughput/median_batch_ms": 1e3 * statistics.median(self.batch_times) if self.batch_times else float("nan"),
+            "throughput/median_batch_ms": (
+                1e3 * statistics.median(self.batch_times) if self.batch_times else float("nan")
+            ),
             "time/fit_seconds": time.perf_counter() - (self._fit_start or time.perf_counter()),
         }

@@ -125,7 +125,9 @@ def commit(path: Path, metadata: dict[str, Any]) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_sharded_checkpoint(path: Path, state: dict[str, Any], metadata: dict[str, Any], is_coordinator: bool, barrier: Callable[[], None]) -> None:
+def save_sharded_checkpoint(
+    path: Path, state: dict[str, Any], metadata: dict[str, Any], is_coordinator: bool, barrier: Callable[[], None]
+) -> None:
     """Write a checkpoint folder that becomes visible only once every rank has finished.
 
     Args:
@@ -233,7 +235,9 @@ def load_sharded_checkpoint(
     return load_plain(path / METADATA_FILE, weights_only=True if weights_only is None else weights_only)
 
 
-def read_nested_param_groups(open_reader: Callable[[], Any], stored: dict[str, Any], key: str) -> Optional[dict[str, Any]]:
+def read_nested_param_groups(
+    open_reader: Callable[[], Any], stored: dict[str, Any], key: str
+) -> Optional[dict[str, Any]]:
     """Lightning DCP folders nest param groups (``<key>.param_groups.<i>.<setting>``): read them as suite keys.
 
     Returns None for the suite's own flattened form (``<key>.param_groups.<name>.<setting>``).
@@ -320,7 +324,9 @@ def check_entries(
             if strict and not name.startswith("param_groups."):
                 missing.append(name)
             continue
-        if torch.is_tensor(value) and (not isinstance(item, TensorStorageMetadata) or tuple(item.size) != tuple(value.shape)):
+        if torch.is_tensor(value) and (
+            not isinstance(item, TensorStorageMetadata) or tuple(item.size) != tuple(value.shape)
+        ):
             reshaped.append(f"{name} {tuple(getattr(item, 'size', ()))} vs {tuple(value.shape)}")
         to_read[name] = value
     if missing or reshaped:
@@ -357,7 +363,8 @@ def check_group_agreement(module: nn.Module, optimizer: Optimizer, flat: dict[st
                 a, b = flat.get(f"param_groups.{first}.{setting}"), flat.get(f"param_groups.{name}.{setting}")
                 if not _same(a, b):
                     raise ValueError(
-                        f"Param-group mismatch: group {index} of the optimizer holds {first!r} and {name!r}, saved with "
-                        f"{setting}={a!r} and {b!r}. configure_optimizers groups parameters differently from the run "
-                        "that saved the checkpoint; pass load_optimizer_state=False to start the optimizer afresh."
+                        f"Param-group mismatch: group {index} of the optimizer holds {first!r} and {name!r}, "
+                        f"saved with {setting}={a!r} and {b!r}. configure_optimizers groups parameters differently "
+                        "from the run that saved the checkpoint; pass load_optimizer_state=False to start the "
+                        "optimizer afresh."
                     )

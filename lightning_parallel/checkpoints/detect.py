@@ -69,12 +69,14 @@ def _describe_file(path: Path) -> tuple[str, str]:
                 pickled = next((n for n in archive.namelist() if n.endswith("/data.pkl")), None)
                 data = archive.open(pickled).read(_SCAN_BYTES) if pickled else b""
         except (zipfile.BadZipFile, OSError, EOFError):
-            return "unknown", "a torch.save archive that is truncated or damaged (no readable zip directory): copy or save it again"
+            return "unknown", (
+                "a torch.save archive that is truncated or damaged (no readable zip directory): copy or save it again"
+            )
         if LIGHTNING_MARKER in _pickle_strings(data):
             return "lightning-single-file", "a single-file Lightning checkpoint"
         return "unknown", ("a torch.save file without Lightning's entries (a plain state_dict?): it holds no training "
-                           "progress. Load the weights in the LightningModule (module.load_state_dict(torch.load(path))) "
-                           "and call fit without ckpt_path")
+                           "progress. Load the weights in the LightningModule "
+                           "(module.load_state_dict(torch.load(path))) and call fit without ckpt_path")
     if head[:1] == b"\x80":
         return "unknown", ("a torch.save file in the legacy (pre-1.6) format: re-save it with a current torch "
                            "(torch.save(torch.load(path, weights_only=False), new_path)) if you trust it")
@@ -87,8 +89,9 @@ def _describe_file(path: Path) -> tuple[str, str]:
 def _describe_folder(path: Path) -> tuple[str, str]:
     if (path / ".metadata").is_file():
         if not (path / METADATA_FILE).is_file():
-            return "unknown", (f"a DCP folder without Lightning's {METADATA_FILE} (written by torch.distributed.checkpoint "
-                               "directly, or a save that did not finish): it holds no training progress")
+            return "unknown", (f"a DCP folder without Lightning's {METADATA_FILE} "
+                               "(written by torch.distributed.checkpoint directly, or a save that did not finish): "
+                               "it holds no training progress")
         keys = SafeFileSystemReader(path).read_metadata().state_dict_metadata
         nested = any(NESTED_GROUP_KEY.match(k) and k.endswith(".params") for k in keys)
         if nested or (any(k.startswith("model.") for k in keys) and not any(k.startswith("state_dict.") for k in keys)):
@@ -144,7 +147,11 @@ def _read_dcp_folder(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
     stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
     entries: dict[str, Any] = {
-        key: torch.empty(tuple(item.size), dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
+        key: (
+            torch.empty(tuple(item.size), dtype=item.properties.dtype)
+            if isinstance(item, TensorStorageMetadata)
+            else None
+        )
         for key, item in stored.items()
     }
     with single_process():
@@ -159,7 +166,11 @@ def _dcp_as_checkpoint(path: Path) -> dict[str, Any]:
     optimizers = sorted({k.split(".", 1)[0] for k in entries if k.startswith("optimizer_")}, key=lambda k: int(k[10:]))
     checkpoint["optimizer_states"] = []
     for key in optimizers:
-        flat = {k[len(key) + 1 :]: v for k, v in entries.items() if k.startswith(f"{key}.") and not NESTED_GROUP_KEY.match(k)}
+        flat = {
+            k[len(key) + 1 :]: v
+            for k, v in entries.items()
+            if k.startswith(f"{key}.") and not NESTED_GROUP_KEY.match(k)
+        }
         groups = nested_param_groups(entries, key)
         checkpoint["optimizer_states"].append({**flat, **(flatten_nested_groups(groups) if groups else {})})
     return checkpoint

@@ -52,7 +52,9 @@ def _all_gather(value: Any) -> list[Any]:
     return out
 
 
-def gather_group_names(module: nn.Module, optimizers: Sequence[Optimizer], order: Sequence[str]) -> list[list[list[str]]]:
+def gather_group_names(
+    module: nn.Module, optimizers: Sequence[Optimizer], order: Sequence[str]
+) -> list[list[list[str]]]:
     """Per optimizer and param group, the names of its parameters on *all* ranks, in checkpoint order (collective).
 
     Args:
@@ -99,7 +101,10 @@ def _load_single_file(
 
 
 def _convert_deepspeed_on_each_node(path: Path, local_coordinator: bool, optimizer_state: bool) -> Path:
-    """Local rank 0 of every node converts ``path`` into one node-local temporary suite folder; all ranks get its path."""
+    """Local rank 0 of every node converts ``path`` into one node-local temporary suite folder.
+
+    All ranks get its path.
+    """
     from lightning_parallel.checkpoints.deepspeed.convert import convert_to_dcp
 
     name = _all_gather(f"lightning_parallel-deepspeed-{uuid.uuid4().hex}")[0]

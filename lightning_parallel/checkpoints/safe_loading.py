@@ -33,9 +33,15 @@ class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         allowed = (
             module.startswith("torch.distributed.checkpoint.")
-            or (module == "torch" and (name in self._TORCH_NAMES or isinstance(getattr(torch, name, None), torch.dtype)))
+            or (
+                module == "torch"
+                and (name in self._TORCH_NAMES or isinstance(getattr(torch, name, None), torch.dtype))
+            )
             or (module == "torch.serialization" and name == "_get_layout")
-            or (module == "pathlib" and name in {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"})
+            or (
+                module == "pathlib"
+                and name in {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}
+            )
             or (module == "collections" and name == "OrderedDict")
             or (module == "builtins" and name in {"set", "frozenset", "slice", "tuple", "list", "dict"})
         )

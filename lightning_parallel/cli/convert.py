@@ -79,6 +79,10 @@ def _suite_meta(src: Path) -> dict[str, Any]:
     return load_plain(resolve_checkpoint(src) / METADATA_FILE, weights_only=True)
 
 
+def _lightning_to_pt(args: argparse.Namespace) -> Path:
+    return write_state_dict(dict(read_lightning_checkpoint(args.src)["state_dict"]), args.dst)
+
+
 def _lightning_to_hf(args: argparse.Namespace) -> Path:
     checkpoint = read_lightning_checkpoint(args.src)
     return _to_hf(checkpoint.pop("state_dict"), checkpoint, args)
@@ -95,8 +99,8 @@ _CONVERSIONS: dict[tuple[str, str], Callable[[argparse.Namespace], Path]] = {
     ("lightning-dcp", "lightning"): lambda a: convert_to_lightning(a.src, a.dst, optimizer_state=not a.no_optimizer),
     ("lightning-single-file", "dcp"): _lightning_to_dcp,
     ("lightning-dcp", "dcp"): _lightning_to_dcp,
-    ("lightning-single-file", "pt"): lambda a: write_state_dict(dict(read_lightning_checkpoint(a.src)["state_dict"]), a.dst),
-    ("lightning-dcp", "pt"): lambda a: write_state_dict(dict(read_lightning_checkpoint(a.src)["state_dict"]), a.dst),
+    ("lightning-single-file", "pt"): _lightning_to_pt,
+    ("lightning-dcp", "pt"): _lightning_to_pt,
     ("lightning-single-file", "hf"): _lightning_to_hf,
     ("lightning-dcp", "hf"): _lightning_to_hf,
 }
@@ -188,7 +192,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("src", type=Path, help="a suite or Lightning checkpoint (file or DCP folder), or a DeepSpeed folder")
+    parser.add_argument("src", type=Path,
+                        help="a suite or Lightning checkpoint (file or DCP folder), or a DeepSpeed folder")
     parser.add_argument("dst", type=Path, help="the file or folder to write (an existing one is replaced)")
     parser.add_argument("--to", choices=FORMATS, default=None,
                         help="output format; default: pt when DST ends in .pt/.pth/.bin, dcp otherwise")

@@ -154,7 +154,8 @@ def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int, run_id: str) -> Ite
     identity = {ENV_RUN_ID: run_id, ENV_CONFIG_SHA: sha256, "LP_PARENT_PID": str(os.getpid())}
     children = []
     for rank in range(1, nprocs):
-        env = {**os.environ, **rank_env, **identity, "LOCAL_RANK": str(rank), "RANK": str(rank), "OMP_NUM_THREADS": threads}
+        env = {**os.environ, **rank_env, **identity,
+               "LOCAL_RANK": str(rank), "RANK": str(rank), "OMP_NUM_THREADS": threads}
         children.append(_start_child(rank, config_dir, run_dir, env))
     shutdown = signals.current()
     if shutdown is not None:

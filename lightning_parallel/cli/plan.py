@@ -45,7 +45,8 @@ def measure(line: list[str], user: list[str], steps: int, timeout: float = 900) 
     """
     with tempfile.TemporaryDirectory(prefix="lp-plan-") as folder:
         command = [sys.executable, "-m", "lightning_parallel.cli.train", *user, *line, f"trainer.max_steps={steps}",
-                   "++trainer.limit_val_batches=0", "logger=none", "callbacks=none", "++trainer.enable_progress_bar=false",
+                   "++trainer.limit_val_batches=0", "logger=none", "callbacks=none",
+                   "++trainer.enable_progress_bar=false",
                    "+callbacks.throughput._target_=lightning_parallel.callbacks.ThroughputReport",
                    "+callbacks.throughput.warmup_batches=3", f"hydra.run.dir={folder}/run"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
@@ -58,14 +59,17 @@ def measure(line: list[str], user: list[str], steps: int, timeout: float = 900) 
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lp-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="lp-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for lp-train")
     parser.add_argument("--cluster", default="cpu", help="a file of conf/cluster/ (without .yaml) or a YAML path")
     parser.add_argument("--devices", type=int, help="processes in all (default: trainer.devices x trainer.num_nodes)")
     parser.add_argument("--shape", help="plan a published shape instead of the config's model: llama3-8b, llama3-70b")
     parser.add_argument("--seq-len", type=int, default=8192, help="tokens per sample of --shape")
     parser.add_argument("--top", type=int, default=10, help="ranked rows to show")
-    parser.add_argument("--measure", type=int, default=0, metavar="K", help="run the top K for --steps steps and re-rank")
+    parser.add_argument("--measure", type=int, default=0, metavar="K",
+                        help="run the top K for --steps steps and re-rank")
     parser.add_argument("--steps", type=int, default=12, help="steps per measured run (3 are warm-up)")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed's ZeRO stages out")
     return parser

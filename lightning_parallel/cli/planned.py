@@ -18,6 +18,7 @@ import json
 import os
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -87,11 +88,13 @@ def cached_plan(cfg: Any, world: int) -> tuple[dict[str, Any], Path, bool]:
 
 
 def strategy_node(c: Candidate) -> dict[str, Any]:
-    """The ``strategy`` config of the candidate (the shipped ``hybrid`` or ``deepspeed_zero<n>`` file, filled in)."""
+    """The ``strategy`` config of the candidate (the shipped ``hybrid`` or ``deepspeed`` file, filled in)."""
     from omegaconf import OmegaConf
 
     if c.engine == "deepspeed":
-        return OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "strategy" / f"deepspeed_zero{c.zero}.yaml").strategy)
+        node = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "strategy" / "deepspeed.yaml").strategy)
+        node["zero_stage"] = c.zero
+        return node
     node = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "strategy" / "hybrid.yaml").strategy)
     node.update(data_parallel_size=c.dp, pipeline_parallel_size=c.pp, tensor_parallel_size=c.tp, zero_stage=c.zero)
     if c.pp > 1:
@@ -99,6 +102,27 @@ def strategy_node(c: Candidate) -> dict[str, Any]:
     if c.checkpointing != "none":
         node["activation_checkpointing"] = c.checkpointing
     return node
+
+
+def check_resolves(c: Candidate, node: dict[str, Any], world: int) -> None:
+    """Refuse a strategy config that would not run the candidate's layout (a stale or edited plan).
+
+    The layout comes from :func:`~lightning_parallel.strategies.resolve.resolve_layout`, the one every
+    other part of the run (preflight, scaling, the data) reads.
+
+    Raises:
+        ValueError: the sizes differ, naming the cache file to delete.
+    """
+    from hydra.utils import instantiate
+
+    from lightning_parallel.strategies.resolve import resolve_layout
+
+    layout = resolve_layout(partial(instantiate, node), world)
+    got = (layout.data_parallel, layout.pipeline_parallel, layout.tensor_parallel)
+    if got != (c.dp, c.pp, c.tp):
+        raise ValueError(f"strategy=planned: the plan {c.name} is data {c.dp} x pipeline {c.pp} x tensor {c.tp}, but its "
+                         f"strategy config runs data {got[0]} x pipeline {got[1]} x tensor {got[2]}: delete the cached "
+                         f"plan in {cache_dir()} (LP_PLAN_CACHE) to plan again.")
 
 
 def plan_if_asked(cfg: Any) -> dict[str, str]:
@@ -116,9 +140,11 @@ def plan_if_asked(cfg: Any) -> dict[str, str]:
     world = world_size_of(cfg)
     choice, path, cached = cached_plan(cfg, world)
     c = Candidate(**choice["candidate"])
+    node = strategy_node(c)
+    check_resolves(c, node, world)
     targets = cfg.scaling.apply_to
     with open_dict(cfg):
-        cfg.strategy = OmegaConf.create(strategy_node(c))
+        cfg.strategy = OmegaConf.create(node)
         OmegaConf.update(cfg, targets.micro_batch_size, c.batch_size)
     why = (f"fastest predicted of {choice['fit']} layouts that fit on {world} x {choice['cluster']} "
            f"({choice['throughput']:.4g} samples/s, {choice['memory'] / 2**20:.1f} MiB/rank; {choice['refused']} refused)")

@@ -48,14 +48,18 @@ def world_size_of(cfg: DictConfig) -> int:
 
 
 def layout_of(strategy: Any, world_size: int, num_nodes: int = 1) -> ParallelLayout:
-    """The layout a strategy will use: its own for the suite's strategies, data-parallel otherwise.
+    """The layout a strategy will use (:func:`lightning_parallel.strategies.resolve.resolve_layout`).
 
     Errors name the settings as ``lp-train`` users type them (:data:`SETTING_NAMES`).
+
+    Args:
+        strategy: an object, a class, a zero-argument factory or a registered name (``"pipeline_parallel"``).
+        world_size: processes in the run.
+        num_nodes: nodes in the run (for the messages).
     """
-    resolve = getattr(strategy, "resolve_layout", None)
-    if callable(resolve):
-        return resolve(world_size, names=SETTING_NAMES, num_nodes=num_nodes)
-    return ParallelLayout.resolve(world_size, data_parallel="auto", names=SETTING_NAMES, num_nodes=num_nodes)
+    from lightning_parallel.strategies.resolve import resolve_layout
+
+    return resolve_layout(strategy, world_size, names=SETTING_NAMES, num_nodes=num_nodes)
 
 
 def qualified(message: str, prefix: str = "strategy.") -> str:
@@ -83,6 +87,13 @@ def _build_strategy(cfg: DictConfig) -> Any:
         raise
 
 
+def _strategy_object(strategy: Any) -> Any:
+    """The strategy object behind a registered name (``pipeline_parallel``) or the object itself."""
+    from lightning_parallel.strategies.resolve import strategy_object
+
+    return strategy_object(strategy) if isinstance(strategy, str) else strategy
+
+
 # Lightning's short precision names, as its connector unifies them (what check_precision is given in a rank).
 _UNIFIED_PRECISION = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "64": "64-true"}
 
@@ -92,7 +103,7 @@ def _check_precision(cfg: DictConfig, strategy: Any, layout: ParallelLayout) -> 
     from lightning_parallel.parallel.options import ParallelOptions
     from lightning_parallel.parallel.precision import check_precision
 
-    options = getattr(strategy, "options", None)
+    options = getattr(_strategy_object(strategy), "options", None)
     if not isinstance(options, ParallelOptions):
         return
     precision = str(cfg.trainer.get("precision", "32-true"))
@@ -106,7 +117,7 @@ def _check_model(cfg: DictConfig, strategy: Any, layout: ParallelLayout) -> None
 
     from lightning_parallel.parallel.compose import check_module
 
-    options = getattr(strategy, "options", None)
+    options = getattr(_strategy_object(strategy), "options", None)
     if options is None or not (layout.pipeline_parallel_enabled or layout.tensor_parallel_enabled):
         return
     with torch.device("meta"):

@@ -35,9 +35,10 @@ def startup_rows(
         paths: ``output``, ``logs`` and ``checkpoints`` folders.
         extra: strategy-specific rows (pipeline split, rank map, ...).
     """
+    per_node = layout.world_size // max(num_nodes, 1)
     rows = [
         ("strategy", strategy_name),
-        ("world size", f"{layout.world_size} ({num_nodes} node(s) x {layout.world_size // max(num_nodes, 1)} {accelerator} process(es))"),
+        ("world size", f"{layout.world_size} ({num_nodes} node(s) x {per_node} {accelerator} process(es))"),
         ("layout", f"{layout.describe()}  (data x pipeline x tensor; only data multiplies the batch)"),
     ]
     rows += scaling_rows(hparams, reference)
@@ -58,13 +59,15 @@ def scaling_rows(hparams: EffectiveHparams, reference: Optional[Mapping[str, Any
     ref = dict(reference or {}) if h.rule != "none" else {}
     if ref:
         devices = f" on {ref['devices']} data-parallel device(s)" if ref.get("devices") else ""
-        rows.append(("reference", f"global batch {ref.get('global_batch_size')}, lr {ref.get('lr')}, warm-up {ref.get('warmup_steps')}{devices}"))
+        rows.append(("reference", f"global batch {ref.get('global_batch_size')}, lr {ref.get('lr')}, "
+                                  f"warm-up {ref.get('warmup_steps')}{devices}"))
+    batch = f"{h.global_batch_size} = {h.micro_batch_size} x {h.accumulate_grad_batches} x dp{h.data_parallel}"
+    lr_reference = f"  (reference {ref['lr']}, x{h.lr / ref['lr']:.4g})" if ref.get("lr") else ""
     rows += [
         ("micro-batch / device", str(h.micro_batch_size)),
         ("gradient accumulation", str(h.accumulate_grad_batches)),
-        ("global batch", f"{h.global_batch_size} = {h.micro_batch_size} x {h.accumulate_grad_batches} x dp{h.data_parallel}"
-         + (f"  (reference {ref['global_batch_size']})" if ref else "")),
-        ("learning rate", f"{h.lr:.4g}" + (f"  (reference {ref['lr']}, x{h.lr / ref['lr']:.4g})" if ref.get("lr") else "")),
+        ("global batch", batch + (f"  (reference {ref['global_batch_size']})" if ref else "")),
+        ("learning rate", f"{h.lr:.4g}" + lr_reference),
         ("warm-up steps", str(h.warmup_steps) + (f"  (reference {ref.get('warmup_steps')})" if ref else "")),
     ]  # fmt: skip
     return rows
@@ -137,7 +140,8 @@ def startup_table(cfg: Any, strategy: Any, layout: ParallelLayout, effective: Ef
     import torch
     from omegaconf import OmegaConf
 
-    paths = {"output": cfg.paths.output_dir, "logs": getattr(logger, "log_dir", "-"), "checkpoints": cfg.paths.checkpoint_dir}
+    paths = {"output": cfg.paths.output_dir, "logs": getattr(logger, "log_dir", "-"),
+             "checkpoints": cfg.paths.checkpoint_dir}
     extra = dict(strategy.startup_rows(layout)) if hasattr(strategy, "startup_rows") else {}
     if hasattr(strategy, "activation_checkpointing"):  # DeepSpeed's strategy; the hybrid one has the row already
         extra.setdefault("activation checkpointing", describe_choice(strategy.activation_checkpointing))
@@ -167,7 +171,8 @@ def result_rows(trainer: Any, metrics: dict[str, float], cfg: Any) -> list[tuple
     def shown(value: Any) -> str:
         return f"{value:.4f}" if isinstance(value, float) else str(value)
 
-    rows = [(key.split("/", 1)[1] if key.startswith("eval/") else key, shown(value)) for key, value in sorted(metrics.items())]
+    rows = [(key.split("/", 1)[1] if key.startswith("eval/") else key, shown(value))
+            for key, value in sorted(metrics.items())]
     for callback in trainer.callbacks:
         readout = getattr(callback, "readout", None) or {}
         rows += [(name, str(value)) for name, value in readout.items() if not isinstance(value, (int, float))]

@@ -202,7 +202,11 @@ def verify_rank_config(config_dir: Path, identity: str, sha256: str) -> None:
     try:
         text = path.read_text()
     except OSError as error:
-        raise RuntimeError(f"rank configuration {path} is unreadable ({error}); the launcher wrote it for run {identity}") from None
+        raise RuntimeError(
+            f"rank configuration {path} is unreadable ({error}); the launcher wrote it for run {identity}"
+        ) from None
     first = text.split("\n", 1)[0]
     if first != f"# lightning_parallel run {identity}" or hashlib.sha256(text.encode()).hexdigest() != sha256:
-        raise RuntimeError(f"rank configuration {path} is not the one written for run {identity} ({first!r}): refusing to start")
+        raise RuntimeError(
+            f"rank configuration {path} is not the one written for run {identity} ({first!r}): refusing to start"
+        )

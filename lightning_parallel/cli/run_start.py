@@ -28,8 +28,11 @@ def job_label() -> dict[str, Any]:
     if not HydraConfig.initialized():
         return {}
     hydra_cfg = HydraConfig.get()
-    return {"experiment": hydra_cfg.runtime.choices.get("experiment"), "strategy": hydra_cfg.runtime.choices.get("strategy"),
-            "overrides": list(hydra_cfg.overrides.task)}
+    return {
+        "experiment": hydra_cfg.runtime.choices.get("experiment"),
+        "strategy": hydra_cfg.runtime.choices.get("strategy"),
+        "overrides": list(hydra_cfg.overrides.task),
+    }
 
 
 def _is_global_rank_zero() -> bool:

@@ -78,7 +78,11 @@ def job_row(job_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         failure = _read_json(job_dir / FAILURE_FILE)
         if failure:
-            return {"job": job_dir.name, "overrides": failure.get("overrides"), "status": f"failed: {failure.get('error')}"}
+            return {
+                "job": job_dir.name,
+                "overrides": failure.get("overrides"),
+                "status": f"failed: {failure.get('error')}",
+            }
         return {"job": job_dir.name, "status": f"missing {METRICS_FILE} (job failed or did not finish)"}
     data = json.loads(path.read_text())
     eff, metrics = data.get("effective", {}), data.get("metrics", {})
@@ -174,10 +178,12 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
     """
     table = Table(title=title, title_justify="left")
     shown = [(column, heading) for column, heading in COLUMNS if heading]
+    text_columns = ("job", "strategy", "layout", "scaling_rule", "status")
     for column, heading in shown:
-        table.add_column(heading, justify="right" if column not in ("job", "strategy", "layout", "scaling_rule", "status") else "left")
+        table.add_column(heading, justify="right" if column not in text_columns else "left")
     for row in rows:
-        table.add_row(*(_cell(row, column) if row.get("status") == "ok" or column in ("job", "status") else "-" for column, _ in shown))
+        ok = row.get("status") == "ok"
+        table.add_row(*(_cell(row, column) if ok or column in ("job", "status") else "-" for column, _ in shown))
     return table
 
 
@@ -226,4 +232,5 @@ class SweepSummary(Callback):
         SweepSummary.failed_jobs = failed
         console = Console(width=self.console_width)
         console.print(summary_table(rows, f"lightning_parallel: sweep summary ({len(rows)} jobs)"))
-        console.print(f"summary: {sweep_dir / SUMMARY_FILE}" + (f"  ({failed} of {len(rows)} jobs failed)" if failed else ""))
+        failures = f"  ({failed} of {len(rows)} jobs failed)" if failed else ""
+        console.print(f"summary: {sweep_dir / SUMMARY_FILE}" + failures)

@@ -197,7 +197,8 @@ def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None
     Args:
         cfg: the composed Hydra config (``conf/config.yaml`` plus overrides).
         prepared: :func:`preflight` of ``cfg`` when the caller already ran it.
-        start: the checkpoint to resume from (None: a fresh start); see :func:`lightning_parallel.cli.run_start.start_checkpoint`.
+        start: the checkpoint to resume from (None: a fresh start); see
+            :func:`lightning_parallel.cli.run_start.start_checkpoint`.
         notes: extra rows for the start-up table.
     """
     import lightning.pytorch as pl
@@ -214,7 +215,9 @@ def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None
 
     datamodule, model = instantiate_node(cfg.data), instantiate_node(cfg.model)
     logger = instantiate_node(cfg.logger) if cfg.get("logger") else False
-    trainer: pl.Trainer = instantiate_node(cfg.trainer, strategy=strategy, logger=logger, callbacks=_callbacks(cfg, logger))
+    trainer: pl.Trainer = instantiate_node(
+        cfg.trainer, strategy=strategy, logger=logger, callbacks=_callbacks(cfg, logger)
+    )
     if logger:
         logger.log_hyperparams({"layout": layout.describe(), **OmegaConf.to_container(cfg, resolve=True)})
     if rank_zero_only.rank == 0:
@@ -268,8 +271,11 @@ def _report_stop(cfg: DictConfig) -> None:
     if shutdown is None or os.environ.get("RANK", "0") != "0":
         return
     took = time.monotonic() - (shutdown.signal_time or time.monotonic())
-    saved = f"saved {shutdown.saved} (step {checkpoint_step(Path(shutdown.saved))})" if shutdown.saved else "nothing saved"
-    print(f"lp-train: stopped {took:.1f} s after the signal; {saved}. Continue with: lp-train resume={cfg.paths.output_dir}",
+    saved = (
+        f"saved {shutdown.saved} (step {checkpoint_step(Path(shutdown.saved))})" if shutdown.saved else "nothing saved"
+    )
+    print(f"lp-train: stopped {took:.1f} s after the signal; {saved}. "
+          f"Continue with: lp-train resume={cfg.paths.output_dir}",
           file=sys.stderr, flush=True)
 
 
@@ -330,7 +336,8 @@ def _report_failure(error: BaseException, cfg: DictConfig) -> float:
         report_config_error(error)
     rank = os.environ.get("RANK", "0")
     where = "" if rank == "0" else f" (rank {rank})"
-    print(f"lp-train: error{where}: {type(error).__name__}: {first}\n  full traceback: {log}", file=sys.stderr, flush=True)
+    print(f"lp-train: error{where}: {type(error).__name__}: {first}\n  full traceback: {log}",
+          file=sys.stderr, flush=True)
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         traceback.print_exception(type(error), error, error.__traceback__)
     sys.exit(1)

@@ -23,9 +23,12 @@ tensor layout, in torchtitan's order:
    ``zero_stage=0`` with data parallelism (shard groups of one rank), so gradients are
    reduced during backward, layer by layer; last, as it wraps what steps 2-4 made.
 
-Nothing here imports Lightning: the strategy calls :func:`check_module` before any process
-group exists and :func:`parallelize` once the mesh is built; both are testable without a
-Trainer (a world of 1, or the distributed harness).
+Nothing here imports Lightning or an adapter: the strategy resolves the model's
+:class:`~lightning_parallel.parallel.adapter.ModelAdapter` once (``adapters.adapt(module)``) and
+hands it to :func:`check_module` before any process group exists and to :func:`parallelize` once
+the mesh is built; every question about the model (its plans, layers, roots) goes to that
+adapter. Both are testable without a Trainer (a world of 1, or the distributed harness); without
+``adapter=`` each resolves one itself (``ModelAdapter.resolve(module)``).
 """
 
 from __future__ import annotations
@@ -36,15 +39,15 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch import Tensor, nn
 
-from lightning_parallel.adapters.hf import find_hf_model
-from lightning_parallel.adapters.pipeline_plan import PipelinePlan, pipeline_plan
 from lightning_parallel.layout import TENSOR_PARALLEL, ParallelLayout
 from lightning_parallel.parallel import activation_checkpoint
+from lightning_parallel.parallel.adapter import ModelAdapter
 from lightning_parallel.parallel.data import data_axis_mesh, shard_data_axis, uses_data_axis
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.pipeline import tied as pipeline_tied
 from lightning_parallel.parallel.pipeline.chain_check import check_chain, on_meta
 from lightning_parallel.parallel.pipeline.partition import partition_layers, stage_of_layer
+from lightning_parallel.parallel.pipeline.plan import PipelinePlan
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, stage_ids_for_rank, validate_schedule
 from lightning_parallel.parallel.pipeline.stages import (
     PipelineSplit,
@@ -77,6 +80,8 @@ class Parallelized:
             (the module's own, or its Hugging Face model's causal-LM loss terms).
         count_items: ``targets -> items carrying a loss`` matching ``loss_fn``.
         tied: parameters tied across this rank's and other pipeline ranks' stages.
+        adapter: the model adapter everything above was asked of (the executors ask it too).
+        loss_terms: whether ``loss_fn`` returns ``(loss_sum, num_items)`` terms rather than a mean.
     """
 
     layout: ParallelLayout
@@ -89,6 +94,8 @@ class Parallelized:
     loss_fn: Optional[Callable[[Any, Any], Any]] = None
     count_items: Optional[Callable[[Any], Tensor]] = None
     tied: tuple[pipeline_tied.TiedCopies, ...] = ()
+    adapter: Optional[ModelAdapter] = None
+    loss_terms: bool = False
 
     @property
     def pipelined(self) -> bool:
@@ -99,7 +106,9 @@ class Parallelized:
         return self.split.num_stages if self.split is not None else 1
 
 
-def check_module(module: nn.Module, layout: ParallelLayout, options: ParallelOptions) -> dict[str, ParallelStyle]:
+def check_module(
+    module: nn.Module, layout: ParallelLayout, options: ParallelOptions, *, adapter: Optional[ModelAdapter] = None
+) -> dict[str, ParallelStyle]:
     """Everything about ``module`` that can be checked before a process group exists.
 
     Args:
@@ -107,6 +116,7 @@ def check_module(module: nn.Module, layout: ParallelLayout, options: ParallelOpt
             only on materialised weights).
         layout: the resolved layout.
         options: the run's options.
+        adapter: the model's adapter (default: resolved here, ``ModelAdapter.resolve(module)``).
 
     Returns:
         The resolved tensor-parallel plan (empty without tensor parallelism).
@@ -117,18 +127,21 @@ def check_module(module: nn.Module, layout: ParallelLayout, options: ParallelOpt
             ``forward``), too few layers for the stages, a schedule the layout cannot run,
             or a plan the tensor size does not divide.
     """
+    adapter = adapter or ModelAdapter.resolve(module)
     if layout.pipeline_parallel_enabled:
-        check_pipeline(module, layout, options)
-    check_activation_checkpointing(module, options.activation_checkpointing)
-    return check_tensor(module, layout, options)
+        check_pipeline(module, layout, options, adapter=adapter)
+    check_activation_checkpointing(module, options.activation_checkpointing, adapter=adapter)
+    return check_tensor(module, layout, options, adapter=adapter)
 
 
-def check_activation_checkpointing(module: nn.Module, choice: activation_checkpoint.Choice) -> None:
+def check_activation_checkpointing(
+    module: nn.Module, choice: activation_checkpoint.Choice, *, adapter: Optional[ModelAdapter] = None
+) -> None:
     """Refuse an ``activation_checkpointing`` choice (validated by ``check_choice``) that would checkpoint nothing:
-    a glob naming no submodule, or ``full``/``selective`` on a module without layers."""
+    a glob naming no submodule, or ``full``/``selective`` on a module without layers (``adapter.layers()``)."""
     if isinstance(choice, tuple):
         activation_checkpoint.matching_modules(module, choice)
-    elif choice != "none" and not _checkpoint_layers(module, None):
+    elif choice != "none" and not (adapter or ModelAdapter.resolve(module)).layers():
         raise ValueError(
             f"activation_checkpointing={choice!r} checkpoints the model's layers, but {type(module).__name__} has "
             "neither pipeline_layers() nor a Hugging Face decoder's layers: define pipeline_layers(), or name the "
@@ -137,7 +150,11 @@ def check_activation_checkpointing(module: nn.Module, choice: activation_checkpo
 
 
 def checkpoint_activations(
-    module: nn.Module, choice: activation_checkpoint.Choice, split: Optional[PipelineSplit] = None
+    module: nn.Module,
+    choice: activation_checkpoint.Choice,
+    split: Optional[PipelineSplit] = None,
+    *,
+    adapter: Optional[ModelAdapter] = None,
 ) -> list[nn.Module]:
     """Step 3 of :func:`parallelize` (and of the DeepSpeed strategy): checkpoint this rank's layers, or the
     submodules the globs name; returns the checkpointed modules.
@@ -146,37 +163,43 @@ def checkpoint_activations(
         module: the whole model, split and tensor-sharded already.
         choice: a validated ``activation_checkpointing`` option.
         split: the pipeline split (None without pipelining).
+        adapter: the model's adapter (its layers; made safe to recompute).
     """
-    chosen = activation_checkpoint.targets(module, choice, _checkpoint_layers(module, split) if choice != "none" else [])
-    found = find_hf_model(module)
-    if chosen and found is not None and getattr(found[1].config, "use_cache", False):
-        # As Hugging Face's own gradient checkpointing does: a KV cache built during training would be
-        # appended to again by the recomputation (selective checkpointing then fails in backward).
-        found[1].config.use_cache = False
+    adapter = adapter or ModelAdapter.resolve(module)
+    layers = _checkpoint_layers(module, split, adapter) if choice != "none" else []
+    chosen = activation_checkpoint.targets(module, choice, layers)
+    if chosen:
+        adapter.prepare_activation_checkpointing()
     return activation_checkpoint.apply_activation_checkpointing(chosen, selective=choice == "selective")
 
 
-def _checkpoint_layers(module: nn.Module, split: Optional[PipelineSplit]) -> list[nn.Module]:
-    """The layers ``full``/``selective`` checkpoint: every pipeline layer, or a Hugging Face decoder's blocks."""
+def _checkpoint_layers(module: nn.Module, split: Optional[PipelineSplit], adapter: ModelAdapter) -> list[nn.Module]:
+    """The layers ``full``/``selective`` checkpoint: every pipeline layer, or the adapter's layers."""
     if split is None:
-        return _data_axis_layers(module, None)
+        return adapter.layers()
     return [module.get_submodule(name) for name in split.names]
 
 
-def check_tensor(module: nn.Module, layout: ParallelLayout, options: ParallelOptions) -> dict[str, ParallelStyle]:
+def check_tensor(
+    module: nn.Module, layout: ParallelLayout, options: ParallelOptions, *, adapter: Optional[ModelAdapter] = None
+) -> dict[str, ParallelStyle]:
     """The tensor half of :func:`check_module`; returns the resolved plan (empty without tensor parallelism)."""
     if not layout.tensor_parallel_enabled:
         return {}
+    adapter = adapter or ModelAdapter.resolve(module)
     plan = resolve_plan(
-        module, options.plan, sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel
+        module, options.plan, sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel,
+        adapter=adapter,
     )
-    validate_tensor_parallel(module, plan, layout.tensor_parallel)
+    validate_tensor_parallel(module, plan, layout.tensor_parallel, adapter=adapter)
     return plan
 
 
-def check_pipeline(module: nn.Module, layout: ParallelLayout, options: ParallelOptions) -> PipelinePlan:
-    """The pipeline half of :func:`check_module`; returns the module's pipeline plan."""
-    plan = pipeline_plan(module)
+def check_pipeline(
+    module: nn.Module, layout: ParallelLayout, options: ParallelOptions, *, adapter: Optional[ModelAdapter] = None
+) -> PipelinePlan:
+    """The pipeline half of :func:`check_module`; returns the adapter's pipeline plan."""
+    plan = (adapter or ModelAdapter.resolve(module)).pipeline_plan()
     validate_schedule(options.schedule, layout.pipeline_parallel, options.stages_per_rank, options.microbatches)
     activation_checkpoint.check_schedule(options.activation_checkpointing, options.schedule)
     num_layers, num_stages = len(plan.layers), options.num_stages(layout.pipeline_parallel)
@@ -218,7 +241,7 @@ def last_stage_rank(layout: ParallelLayout, options: ParallelOptions, rank: int)
 
 def _check_pipeline_layers(module: nn.Module, plan: PipelinePlan, layout: ParallelLayout,
                            options: ParallelOptions) -> None:
-    if options.partition == "time" and plan.source != "protocol":
+    if options.partition == "time" and not plan.timeable:
         raise ValueError(
             f"partition='time' times each layer on one tensor, but {plan.source}'s decoder layers also need masks and "
             "rotary positions: use partition='parameters', 'uniform' or explicit cut points."
@@ -243,8 +266,11 @@ def split_pipeline(
     layer_times: Optional[Sequence[float]] = None,
     plan: Optional[PipelinePlan] = None,
 ) -> tuple[PipelineSplit, list[nn.Module], list[int]]:
-    """Cut ``module`` into stages and keep this rank's (step 1 of :func:`parallelize`)."""
-    plan = plan or pipeline_plan(module)
+    """Cut ``module`` into stages and keep this rank's (step 1 of :func:`parallelize`).
+
+    ``plan`` is the adapter's pipeline plan (default: ``ModelAdapter.resolve(module).pipeline_plan()``).
+    """
+    plan = plan or ModelAdapter.resolve(module).pipeline_plan()
     num_stages = options.num_stages(layout.pipeline_parallel)
     bounds = partition_layers(plan.layers, num_stages, options.partition, layer_times)
     pipeline_rank = layout.coordinates(rank).pipeline
@@ -271,27 +297,13 @@ def _tie_copies(module: nn.Module, split: PipelineSplit, stages: list, layout: P
     return tied
 
 
-def _data_axis_layers(module: nn.Module, split: Optional[PipelineSplit]) -> list[nn.Module]:
+def _data_axis_layers(module: nn.Module, split: Optional[PipelineSplit], adapter: ModelAdapter) -> list[nn.Module]:
     """Layers that become their own FSDP2 unit: not those holding a tied parameter (their stage root takes it)."""
     if split is None:
-        if callable(getattr(module, "pipeline_layers", None)):
-            return list(module.pipeline_layers())
-        found = find_hf_model(module)  # a decoder's blocks: gathered one at a time, as under pipelining
-        blocks = getattr(getattr(found[1], "base_model", None), "layers", None) if found is not None else None
-        return list(blocks) if isinstance(blocks, nn.ModuleList) else []
+        return adapter.layers()
     tied = {index for holders in split.shared for index, _ in holders}
     return [module.get_submodule(name) for index, name in enumerate(split.names) if index not in tied]
 
-
-def _data_axis_roots(module: nn.Module) -> list[nn.Module]:
-    """FSDP2 roots without pipelining: a Hugging Face model the module holds first, then the module.
-
-    A zero-glue ``training_step`` calls ``self.model(**batch)`` and never the LightningModule's
-    ``forward``, and FSDP2 gathers a root's own parameters in that root's forward: the model
-    being called must be a root itself, or its embedding would stay sharded.
-    """
-    found = find_hf_model(module)
-    return [found[1], module] if found is not None and found[0] else [module]
 
 
 def _refuse_parallelized(module: nn.Module) -> None:
@@ -302,16 +314,17 @@ def _refuse_parallelized(module: nn.Module) -> None:
         )
 
 
-def _apply_local_plan(module: nn.Module, layout: ParallelLayout, mesh: DeviceMesh, plan: dict) -> None:
+def _apply_local_plan(module: nn.Module, layout: ParallelLayout, mesh: DeviceMesh, plan: dict,
+                      adapter: ModelAdapter) -> None:
     """Step 2 of :func:`parallelize`: the tensor plan's entries for the submodules this rank holds."""
     if layout.tensor_parallel_enabled:
         present = dict(module.named_modules())
         local_plan = {n: s for n, s in plan.items() if n in present and not isinstance(present[n], RemovedLayer)}
-        apply_tensor_parallel(module, mesh[TENSOR_PARALLEL], local_plan)
+        apply_tensor_parallel(module, mesh[TENSOR_PARALLEL], local_plan, adapter)
 
 
 def _wrap_data_axis(module: nn.Module, layout: ParallelLayout, options: ParallelOptions, meshes: tuple,
-                    split: Optional[PipelineSplit], stages: list, precision: str) -> None:
+                    split: Optional[PipelineSplit], stages: list, precision: str, adapter: ModelAdapter) -> None:
     """Step 5 of :func:`parallelize`: FSDP2 per layer, then per stage (or the model's roots), over the data mesh.
 
     ``meshes`` is ``(mesh, data_mesh)`` as :func:`parallelize` got them; nothing is wrapped
@@ -322,8 +335,8 @@ def _wrap_data_axis(module: nn.Module, layout: ParallelLayout, options: Parallel
     dp_mesh = data_axis_mesh(layout, options.zero_stage, *meshes)
     # (4) zero_stage=0 keeps its parameters in their own dtype (no FSDP2 cast); reductions are fp32.
     policy = fsdp_policy(precision, options, layout)
-    roots = stages or _data_axis_roots(module)
-    shard_data_axis(_data_axis_layers(module, split), roots, dp_mesh, options.zero_stage, policy, options.bucket_bytes,
+    roots = stages or adapter.data_axis_roots()
+    shard_data_axis(_data_axis_layers(module, split, adapter), roots, dp_mesh, options.zero_stage, policy, options.bucket_bytes,
                     options.fsdp_prefetch)
 
 
@@ -337,6 +350,7 @@ def parallelize(
     on_split: Optional[Callable[[PipelineSplit], Any]] = None,
     precision: str = "32-true",
     data_mesh: Optional[DeviceMesh] = None,
+    adapter: Optional[ModelAdapter] = None,
 ) -> Parallelized:
     """Split, shard and wrap ``module`` in place for this rank of ``layout`` (see the module docstring for the order).
 
@@ -349,10 +363,10 @@ def parallelize(
         rank: this process's global rank.
         layer_times: per-layer seconds for ``partition="time"`` (the same on every rank).
         on_split: called with the pipeline split once it is known (the strategy prints it).
-        precision: the Trainer's precision name (checked by ``precision.check_precision``);
-            decides FSDP2's mixed-precision policy.
+        precision: the Trainer's precision name; decides FSDP2's mixed-precision policy.
         data_mesh: ``mesh``'s data axis unflattened to ``(data_replicate, data_shard)``, for ``zero_stage=0``
             with data parallelism and for HSDP (:func:`~lightning_parallel.parallel.data.data_axis_mesh`).
+        adapter: the model's adapter, resolved once by the strategy (default: ``ModelAdapter.resolve(module)``).
 
     Returns:
         A :class:`Parallelized` describing the result.
@@ -361,16 +375,18 @@ def parallelize(
         ValueError: ``module`` was parallelised before, or any check of :func:`check_module`.
     """
     _refuse_parallelized(module)
-    pipe = check_pipeline(module, layout, options) if layout.pipeline_parallel_enabled else None
-    plan = check_tensor(module, layout, options)
+    adapter = adapter or ModelAdapter.resolve(module)
+    pipe = check_pipeline(module, layout, options, adapter=adapter) if layout.pipeline_parallel_enabled else None
+    plan = check_tensor(module, layout, options, adapter=adapter)
     split, stages, stage_ids, last, tied = None, [], [], None, []
     if pipe is not None:
         split, stages, stage_ids = split_pipeline(module, layout, options, rank, layer_times, pipe)
         last, tied = last_stage_rank(layout, options, rank), _tie_copies(module, split, stages, layout, options, rank)
         on_split(split) if on_split is not None else None
-    _apply_local_plan(module, layout, mesh, plan)
-    checkpoint_activations(module, options.activation_checkpointing, split)
-    _wrap_data_axis(module, layout, options, (mesh, data_mesh), split, stages, precision)
+    _apply_local_plan(module, layout, mesh, plan, adapter)
+    checkpoint_activations(module, options.activation_checkpointing, split, adapter=adapter)
+    _wrap_data_axis(module, layout, options, (mesh, data_mesh), split, stages, precision, adapter)
     pipeline_tied.mark_copies(module, tied)  # after FSDP2/TP replaced the parameter objects
     loss_fn, count = (pipe.loss_fn, pipe.count_items) if pipe is not None else (None, None)
-    return Parallelized(layout, options, plan, split, tuple(stages), tuple(stage_ids), last, loss_fn, count, tuple(tied))
+    return Parallelized(layout, options, plan, split, tuple(stages), tuple(stage_ids), last, loss_fn, count, tuple(tied),
+                        adapter, pipe is not None and pipe.loss_terms)

@@ -65,7 +65,11 @@ def total_grad_norm(
         norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=False if isinstance(grads[0], DTensor) else None)
         norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
     device = norms[0].device if norms else (params[0].device if params else torch.device("cpu"))
-    local = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type) if norms else torch.zeros((), device=device)
+    local = (
+        torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+        if norms
+        else torch.zeros((), device=device)
+    )
     if pipeline_group is None or dist.get_world_size(pipeline_group) == 1:
         return local
     if norm_type == float("inf"):

@@ -10,7 +10,7 @@ divide) live in :mod:`lightning_parallel.parallel.compose` and
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -72,41 +72,52 @@ def _check_partition(partition: Any) -> Union[str, tuple[int, ...]]:
 class ParallelOptions:
     """Everything a data x pipeline x tensor run is asked to do, validated once.
 
+    The one description of the options of :class:`~lightning_parallel.strategies.HybridParallelStrategy`
+    and its presets (``PipelineParallelStrategy``, ``TensorParallelStrategy``): they take these fields as
+    keywords, or one ``ParallelOptions`` as ``options=``; ``conf/strategy/*.yaml`` sets them by the same
+    names. Each field is also an attribute of ``strategy.options``.
+
     Args:
-        data_parallel_size: replicas (``"auto"``: what the other sizes leave of the world).
-        pipeline_parallel_size: pipeline ranks.
-        tensor_parallel_size: ranks sharing each layer.
-        zero_stage: 0 (replicated, gradient all-reduce), 2 or 3 (FSDP2 over the data axis).
-        microbatches: micro-batches per batch for the pipeline schedule.
-        schedule: a pipeline schedule name (see ``parallel.pipeline.schedules.SCHEDULES``).
-        partition: ``uniform``, ``parameters``, ``time`` or a list of cut points.
-        stages_per_rank: pipeline stages per rank (2+ for interleaved/zero-bubble schedules).
-        sequence_parallel: shard norm/dropout activations along the sequence.
+        data_parallel_size: replicas of the model; ``"auto"``: what the other sizes leave of the world.
+        pipeline_parallel_size: pipeline ranks (consecutive groups of layers); ``"auto"``: the whole world.
+        tensor_parallel_size: ranks sharing each layer's matrices; ``"auto"``: the whole world.
+        zero_stage: what the data axis shards: 0 (nothing: replicated, gradient all-reduce), 2 (FSDP2:
+            gradients and optimizer state) or 3 (parameters too). ZeRO-1 is DeepSpeed's
+            (``DeepSpeedDataParallelStrategy(zero_stage=1)``, ``strategy=deepspeed_zero1``).
+        microbatches: micro-batches per batch for the pipeline schedule (must divide the per-rank batch).
+        schedule: a pipeline schedule name: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``,
+            ``interleaved_zero_bubble``, ``zbv``, ``dualpipev`` (see ``parallel.pipeline.schedules``).
+        partition: where the pipeline cuts the layers: ``"uniform"`` (equal counts), ``"parameters"``
+            (equal parameter counts), ``"time"`` (equal measured forward+backward time) or a list of cut points.
+        stages_per_rank: pipeline stages per rank (2+ for the interleaved and zero-bubble schedules).
+        sequence_parallel: shard norm/dropout activations along the sequence over the tensor group.
         loss_parallel: vocabulary-parallel cross-entropy on a vocabulary-sharded LM head.
-        plan: extra or overriding tensor-parallel plan entries (glob -> style name; None removes).
-        save_distributed_checkpoint: sharded DCP folder (True) or one consolidated file.
-        timeout: collective timeout (``timedelta``, seconds, or None for :data:`DEFAULT_TIMEOUT`).
-        activation_checkpointing: ``"none"``, ``"full"``, ``"selective"`` or a list of submodule globs
+        plan: extra or overriding tensor-parallel plan entries (submodule glob -> style name; None removes
+            an entry of the module's ``tensor_parallel_plan()``).
+        save_distributed_checkpoint: write a sharded DCP folder (True; loads under any layout) or one
+            consolidated file (False; not under pipeline parallelism).
+        timeout: collective timeout (``timedelta`` or seconds), so a dead rank fails the run instead of
+            hanging it; None: :data:`DEFAULT_TIMEOUT`.
+        activation_checkpointing: ``"none"``, ``"full"`` (every layer recomputes its forward in backward),
+            ``"selective"`` (keeps matmul and attention outputs) or a list of submodule globs
             (see :mod:`lightning_parallel.parallel.activation_checkpoint`).
-        param_dtype: FSDP2's all-gathered (computing) parameter dtype, ``"float32"`` or
-            ``"bfloat16"``; None: bf16 under ``bf16-mixed`` without tensor parallelism, else the
-            parameters' own (see :mod:`lightning_parallel.parallel.precision`). zero_stage 2/3 only.
-        reduce_dtype: the data-axis gradient reduction's dtype (FSDP2's reduce-scatter, or its
-            all-reduce under ``zero_stage=0``), ``"float32"`` (default) or ``"bfloat16"``.
-        data_replicate_size, data_shard_size: HSDP (``zero_stage`` 2/3): the data axis as
-            ``data_replicate_size`` groups of ``data_shard_size`` ranks, sharding within a group
-            and all-reduce across groups; give either or both (product ``data_parallel_size``).
-            None for both: shard over the whole data axis (``zero_stage=0`` replicates it whole).
-        comm_hook: DDP's gradient compression by its Lightning name: ``"none"`` or ``"bf16"``
-            (FSDP2's form of it: ``reduce_dtype="bfloat16"``); ``"fp16"`` and ``"powersgd"`` have
-            no FSDP2 form and are refused (see :mod:`lightning_parallel.parallel.data`); data-parallel-only
-            runs get them from ``strategy=ddp`` (:mod:`lightning_parallel.strategies.ddp_comm`).
-        bucket_size_mb: ``zero_stage=0``: consecutive layers share one gradient all-reduce until
-            their parameters reach this size (DDP's ``bucket_cap_mb``; default 25, 0: one per
-            layer). ZeRO 2/3 keep one FSDP2 unit per layer (the unit is what is gathered).
+        param_dtype: FSDP2's all-gathered (computing) parameter dtype under ``zero_stage`` 2/3,
+            ``"float32"`` or ``"bfloat16"``; None: bf16 under ``bf16-mixed`` without tensor parallelism,
+            else the parameters' own (see :mod:`lightning_parallel.parallel.precision`).
+        reduce_dtype: the data-axis gradient reduction's dtype (FSDP2's reduce-scatter, or its all-reduce
+            under ``zero_stage=0``): ``"float32"`` (default) or ``"bfloat16"``.
+        data_replicate_size: HSDP (``zero_stage`` 2/3): groups of data ranks that all-reduce across each
+            other; with ``data_shard_size`` (give either or both) the product is ``data_parallel_size``.
+            None for both: shard over the whole data axis (see :mod:`lightning_parallel.parallel.data`).
+        data_shard_size: HSDP (``zero_stage`` 2/3): data ranks sharding one replica (e.g. one node).
+        comm_hook: DDP's gradient compression by its Lightning name: ``"none"`` or ``"bf16"`` (FSDP2's form
+            of it: ``reduce_dtype="bfloat16"``); ``"fp16"`` and ``"powersgd"`` have no FSDP2 form and are
+            refused (data-parallel-only runs get them from ``strategy=ddp``,
+            :mod:`lightning_parallel.strategies.ddp_comm`).
+        bucket_size_mb: ``zero_stage=0``: consecutive layers share one gradient all-reduce until their
+            parameters reach this size (DDP's ``bucket_cap_mb``; None: 25, 0: one per layer).
         fsdp_prefetch: ``zero_stage`` 2/3: each layer's FSDP2 unit issues the all-gathers of the next
-            ``fsdp_prefetch`` layers of its stage in forward (and of the previous ones in backward)
-            ahead of time (FSDP2's ``set_modules_to_forward_prefetch`` and its backward twin);
+            ``fsdp_prefetch`` layers of its stage ahead of time (and of the previous ones in backward);
             None: FSDP2's default (the next layer, issued when its own forward or backward starts).
 
     Raises:
@@ -237,3 +248,59 @@ class ParallelOptions:
         return (self.schedule, self.stages_per_rank, self.partition, self.zero_stage, self.sequence_parallel,
                 self.loss_parallel, repr(self.plan), self.activation_checkpointing, self.param_dtype, self.reduce_dtype,
                 self.data_replicate_size, self.data_shard_size, self.bucket_size_mb, self.fsdp_prefetch)
+
+
+def option_names() -> tuple[str, ...]:
+    """The fields of :class:`ParallelOptions`, in order (what a strategy takes as option keywords)."""
+    from dataclasses import fields
+
+    return tuple(f.name for f in fields(ParallelOptions))
+
+
+def _unknown_option_error(owner: str, unknown: Sequence[str], also: Sequence[str]) -> ValueError:
+    import difflib
+
+    valid = [*option_names(), *also]
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ValueError(f"{owner} got unknown option(s) {', '.join(hints)}: the options are the fields of "
+                      f"ParallelOptions ({', '.join(option_names())}) plus {', '.join(also)}. Fix the name.")
+
+
+def options_from(
+    options: Union[None, ParallelOptions, Mapping[str, Any]],
+    option_kwargs: Mapping[str, Any],
+    owner: str = "HybridParallelStrategy",
+    also: Sequence[str] = ("process_group_backend", "load_optimizer_state"),
+) -> ParallelOptions:
+    """One :class:`ParallelOptions` from a strategy's ``options`` and its option keywords.
+
+    Args:
+        options: a ``ParallelOptions`` (or a mapping of its fields, e.g. from Hydra), or None.
+        option_kwargs: fields of ``ParallelOptions`` given by name.
+        owner: the class the options are for (in messages).
+        also: the owner's own arguments (listed as valid in the unknown-name message).
+
+    Raises:
+        ValueError: an unknown name (with the closest valid one), ``options`` of another type, or a keyword
+            that contradicts ``options`` (naming ``dataclasses.replace`` as the fix); invalid values.
+    """
+    unknown = [name for name in option_kwargs if name not in option_names()]
+    if unknown:
+        raise _unknown_option_error(owner, unknown, also)
+    if options is None:
+        return ParallelOptions(**option_kwargs)
+    if isinstance(options, Mapping):  # Hydra's DictConfig is one
+        options = options_from(None, dict(plain(options)), owner, also)
+    if not isinstance(options, ParallelOptions):
+        raise ValueError(f"{owner}(options={options!r}): options is a ParallelOptions (or None); every option is a "
+                         f"keyword, e.g. {owner}(pipeline_parallel_size=2) or {owner}(options=ParallelOptions(...)).")
+    merged = replace(options, **option_kwargs)
+    clashes = [f"{name}={option_kwargs[name]!r} (options has {getattr(options, name)!r})"
+               for name in option_kwargs if getattr(merged, name) != getattr(options, name)]
+    if clashes:
+        raise ValueError(f"{owner} got options= and keywords that contradict it: {', '.join(clashes)}. Pass one of "
+                         "them: options=dataclasses.replace(options, ...) with the new values, or the keywords alone.")
+    return options

@@ -100,15 +100,16 @@ def check_precision(precision: str, options: ParallelOptions, layout: ParallelLa
         )
     if options.param_dtype == "bfloat16" and layout.tensor_parallel_enabled:
         raise ValueError(
-            "param_dtype='bfloat16' with tensor_parallel_size > 1 would reduce tensor-replicated gradients (norms under "
-            "sequence parallelism) in bf16: FSDP2 applies reduce_dtype only to its own reduce-scatter (pytorch#190626). "
-            "Drop param_dtype (autocast still computes in bf16 under precision='bf16-mixed'), or tensor_parallel_size=1."
+            "param_dtype='bfloat16' with tensor_parallel_size > 1 would reduce tensor-replicated gradients "
+            "(norms under sequence parallelism) in bf16: FSDP2 applies reduce_dtype only to its own reduce-scatter "
+            "(pytorch#190626). Drop param_dtype (autocast still computes in bf16 under precision='bf16-mixed'), "
+            "or tensor_parallel_size=1."
         )
     if precision == "bf16-true" and options.sequence_parallel:
         raise ValueError(
-            "precision='bf16-true' with sequence_parallel=True: DTensor sums the norm gradients over the tensor ranks in "
-            "the parameters' dtype, bf16. Use precision='bf16-mixed' (fp32 parameters, so those sums are fp32), or "
-            "sequence_parallel=False."
+            "precision='bf16-true' with sequence_parallel=True: DTensor sums the norm gradients over the tensor ranks "
+            "in the parameters' dtype, bf16. Use precision='bf16-mixed' (fp32 parameters, so those sums are fp32), "
+            "or sequence_parallel=False."
         )
 
 

@@ -70,7 +70,9 @@ class Cluster:
         if self.compute not in ("measured", "peak"):
             raise ValueError(f"cluster {self.name!r}: compute={self.compute!r} must be 'measured' or 'peak'.")
         if self.compute == "peak" and not (self.peak_flops and self.efficiency):
-            raise ValueError(f"cluster {self.name!r}: compute=peak needs peak_tflops and efficiency (e.g. 989 and 0.45).")
+            raise ValueError(
+                f"cluster {self.name!r}: compute=peak needs peak_tflops and efficiency (e.g. 989 and 0.45)."
+            )
         if self.devices_per_node < 1 or self.memory_per_device <= 0:
             raise ValueError(f"cluster {self.name!r}: devices_per_node and memory_per_device_gb must be positive.")
 
@@ -123,7 +125,9 @@ def cluster_from_dict(values: Mapping[str, Any]) -> Cluster:
         efficiency=float(values["efficiency"]) if values.get("efficiency") else None,
         compute_units=int(values["compute_units"]) if values.get("compute_units") else None,
         memory_bandwidth=float(values.get("memory_bandwidth_gbs") or 100) * _GB,
-        oversubscribed_latency=float(values["oversubscribed_latency_us"]) * 1e-6 if values.get("oversubscribed_latency_us") else None,
+        oversubscribed_latency=(
+            float(values["oversubscribed_latency_us"]) * 1e-6 if values.get("oversubscribed_latency_us") else None
+        ),
         dtensor_param_overhead=float(values.get("dtensor_param_overhead_us") or 0.0) * 1e-6,
         pipeline_action_overhead=float(values.get("pipeline_action_overhead_us") or 0.0) * 1e-6,
     )
@@ -155,5 +159,7 @@ def load_cluster(name_or_path: str, config_dir: Path) -> Cluster:
         path = config_dir / "cluster" / f"{name_or_path}.yaml"
     if not path.is_file():
         shipped = sorted(p.stem for p in (config_dir / "cluster").glob("*.yaml"))
-        raise ValueError(f"No cluster description {name_or_path!r} ({path}): use one of {shipped} or a YAML file's path.")
+        raise ValueError(
+            f"No cluster description {name_or_path!r} ({path}): use one of {shipped} or a YAML file's path."
+        )
     return cluster_from_dict(_read(path))

@@ -77,7 +77,11 @@ def state_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> tuple[flo
     b = shape.param_bytes
     if c.engine == "deepspeed":
         total = sum(shape.layers[i].num_params for i in layers)
-        return b * _flat_share(total, c, 3), b * _flat_share(total, c, 2), shape.optimizer_states * b * _flat_share(total, c, 1)
+        return (
+            b * _flat_share(total, c, 3),
+            b * _flat_share(total, c, 2),
+            shape.optimizer_states * b * _flat_share(total, c, 1),
+        )
     fsdp = c.dp if c.zero in (2, 3) else 1
     counts = shape.local_counts(c.tp, fsdp)
     local = sum(counts[i][1] for i in layers)
@@ -85,7 +89,8 @@ def state_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> tuple[flo
 
 
 def activation_bytes(shape: ModelShape, c: Candidate, layer: int, samples: int) -> float:
-    """Bytes ``layer`` keeps for backward for ``samples`` samples under the candidate's tensor size and checkpointing."""
+    """Bytes ``layer`` keeps for backward for ``samples`` samples, under the candidate's tensor size
+    and checkpointing."""
     s = shape.layers[layer]
     if c.checkpointing == "full":
         return s.output_bytes * samples  # the layer's input is kept; its inside is recomputed

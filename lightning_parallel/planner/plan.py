@@ -58,7 +58,8 @@ def make_plan(shape: ModelShape, cluster: Cluster, world: int, work: Workload,
         p = predict(shape, cluster, c)
         if p.memory.total > cluster.memory_per_device:
             m = p.memory
-            rejected.append(Rejected(c.name, f"does not fit: {m.total / _GB:.3g} GB > {cluster.memory_per_device / _GB:.3g} GB "
+            rejected.append(Rejected(c.name, f"does not fit: {m.total / _GB:.3g} GB > "
+                                     f"{cluster.memory_per_device / _GB:.3g} GB "
                                      f"(states {m.states / _GB:.3g}, activations {m.activations / _GB:.3g}, "
                                      f"gathered {m.working / _GB:.3g})", kind="memory"))
         else:
@@ -72,7 +73,7 @@ def make_plan(shape: ModelShape, cluster: Cluster, world: int, work: Workload,
 def strategy_overrides(c: Candidate) -> list[str]:
     """The ``strategy=...`` overrides that select the candidate's layout."""
     if c.engine == "deepspeed":
-        return [f"strategy=deepspeed_zero{c.zero}"]
+        return ["strategy=deepspeed", f"strategy.zero_stage={c.zero}"]
     out = ["strategy=hybrid", f"strategy.data_parallel_size={c.dp}", f"strategy.pipeline_parallel_size={c.pp}",
            f"strategy.tensor_parallel_size={c.tp}", f"strategy.zero_stage={c.zero}"]
     if c.pp > 1:

@@ -57,8 +57,13 @@ def gather(link: Link, n: int, nbytes: float) -> float:
     return 0.0 if n == 1 else (n - 1) * (link.latency + nbytes / (n * link.gather_bandwidth))
 
 
-def layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, micro: int, world: int) -> list[tuple[float, float]]:
-    """(forward, backward) seconds of each layer on one micro-batch of ``micro`` samples, tensor collectives included."""
+def layer_seconds(
+    shape: ModelShape, cluster: Cluster, c: Candidate, micro: int, world: int
+) -> list[tuple[float, float]]:
+    """(forward, backward) seconds of each layer on one micro-batch of ``micro`` samples.
+
+    Tensor collectives included.
+    """
     if cluster.compute == "measured":
         if shape.measured_seconds is None:
             raise ValueError(f"cluster {cluster.name!r} measures compute, but the shape of {shape.name} was not "
@@ -73,17 +78,21 @@ def layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, micro: int,
         fwd, bwd = total / 3, 2 * total / 3
         if sharded and c.tp > 1:
             fwd, bwd = fwd / c.tp, bwd / c.tp
-        recompute = fwd if c.checkpointing == "full" else fwd * layer.recompute_fraction if c.checkpointing == "selective" else 0.0
+        recompute = (fwd if c.checkpointing == "full"
+                     else fwd * layer.recompute_fraction if c.checkpointing == "selective" else 0.0)
         tp_comm = 0.0
         if sharded and c.tp > 1:
             # The volume once each way; every further call its latency.
             calls = max(0, layer.tp_collectives - 2)
-            tp_comm = all_reduce(link, c.tp, layer.tp_all_reduce_bytes * micro) + calls * 2 * (c.tp - 1) * link.latency / 2
+            tp_comm = (all_reduce(link, c.tp, layer.tp_all_reduce_bytes * micro)
+                       + calls * 2 * (c.tp - 1) * link.latency / 2)
         out.append((fwd + tp_comm, bwd + recompute + tp_comm))
     return out
 
 
-def _data_axis_seconds(c: Candidate, cluster: Cluster, local_bytes: float, full_bytes: float, units: int) -> tuple[float, float]:
+def _data_axis_seconds(
+    c: Candidate, cluster: Cluster, local_bytes: float, full_bytes: float, units: int
+) -> tuple[float, float]:
     """(per batch, per optimizer step) seconds of the data axis's collectives for one rank's parameters."""
     link = cluster.link(c.dp * c.pp * c.tp, c.dp * c.pp * c.tp)
     if c.dp == 1:

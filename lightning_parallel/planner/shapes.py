@@ -145,7 +145,8 @@ def _block(i: int, h: int, heads: int, kv_heads: int, ffn: int, s: int, act_byte
     return LayerShape(
         name=f"layers.{i}", params=params, fwd_flops=2 * matmul * s + attention,
         activation_sharded=sharded, activation_replicated=replicated, output_bytes=act_bytes * s * h,
-        tp_all_reduce_bytes=2 * act_bytes * s * h, tp_collectives=4, recompute_fraction=0.05,  # elementwise ops, memory-bound
+        tp_all_reduce_bytes=2 * act_bytes * s * h, tp_collectives=4,
+        recompute_fraction=0.05,  # elementwise ops, memory-bound
         selective_saved=kept / (replicated + sharded),
     )
 

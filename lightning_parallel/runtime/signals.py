@@ -3,7 +3,8 @@
 The first SIGINT or SIGTERM asks for a stop: the launcher forwards it at once to every local rank
 it started, and each rank's :class:`~lightning_parallel.callbacks.graceful_stop.GracefulStop` ends
 training at the next optimizer step that all ranks agree on (a one-element all-reduce per step),
-writes ``checkpoints/last-stop.ckpt`` (which ``resume=`` and ``ckpt_path=last`` pick up) and exits. A rank that is not done within the grace period
+writes ``checkpoints/last-stop.ckpt`` (which ``resume=`` and ``ckpt_path=last`` pick up) and exits.
+A rank that is not done within the grace period
 (``LP_STOP_GRACE_S``, default 30 s; at once when no step has finished yet, since there is
 nothing to save) is killed, and so is everything at the second signal. Child ranks die with the
 launcher (``PR_SET_PDEATHSIG``), so no rank outlives it, whatever kills it.

@@ -7,7 +7,7 @@ engine set-up, sharded checkpoints, optimizer hand-over -- is Lightning's.
 
 The DeepSpeed config is built in :mod:`lightning_parallel.strategies.deepspeed_config`, from
 three sources in a fixed order of authority: the Trainer (micro-batch size, accumulation,
-clipping, precision), the strategy's explicit arguments (``stage``, ``offload_*``), then an
+clipping, precision), the strategy's explicit arguments (``zero_stage``, ``offload_*``), then an
 optional raw DeepSpeed config for everything else. A raw config may repeat a value of the
 first two but not contradict it. Lightning's private hooks and helpers are reached through
 :mod:`lightning_parallel._compat`.
@@ -51,9 +51,7 @@ from lightning_parallel._compat import (
     set_forward_redirection,
     zero3_param_coordinator,
 )
-from lightning_parallel.adapters.hf_loss import token_weighting, training_context
 from lightning_parallel.checkpoints.detect import describe_checkpoint, unreadable_checkpoint_error
-from lightning_parallel.checkpoints.hf.metadata import add_hugging_face_entry
 from lightning_parallel.parallel import activation_checkpoint as ac
 from lightning_parallel.parallel.compose import check_activation_checkpointing, checkpoint_activations
 from lightning_parallel.parallel.options import DEFAULT_TIMEOUT, as_timeout, plain
@@ -62,17 +60,17 @@ from lightning_parallel.strategies.deepspeed_config import (
     apply_precision,
     apply_trainer_settings,
     build_zero_config,
+    resolve_zero_stage,
 )
+from lightning_parallel.strategies.resolved_adapter import resolved_adapter
 
 # Names registered by DeepSpeedDataParallelStrategy.register_strategies -> constructor arguments.
 REGISTERED = {
-    "deepspeed_zero1": ("DeepSpeed ZeRO stage 1 (optimizer state sharded), CPU or CUDA", {"stage": 1}),
-    "deepspeed_zero2": ("DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded), CPU or CUDA", {"stage": 2}),
-    "deepspeed_zero3": ("DeepSpeed ZeRO stage 3 (optimizer state, gradients and parameters sharded)", {"stage": 3}),
-    "deepspeed_zero3_offload": (
-        "DeepSpeed ZeRO stage 3 with optimizer state and parameters offloaded to CPU memory",
-        {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
-    ),
+    "deepspeed_zero1": ("DeepSpeed ZeRO stage 1 (optimizer state sharded), CPU or CUDA", {"zero_stage": 1}),
+    "deepspeed_zero2": ("DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded), CPU or CUDA", {"zero_stage": 2}),
+    "deepspeed_zero3": ("DeepSpeed ZeRO stage 3 (optimizer state, gradients and parameters sharded)", {"zero_stage": 3}),
+    "deepspeed_zero3_offload": ("DeepSpeed ZeRO stage 3 with optimizer state and parameters offloaded to CPU memory",
+                                {"zero_stage": 3, "offload_optimizer": True, "offload_parameters": True}),
 }
 
 
@@ -131,8 +129,8 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
     this strategy only asks for what is DeepSpeed's own.
 
     Args:
-        stage: ZeRO stage: 0 (plain data parallel), 1 (shard optimizer state),
-            2 (+ gradients) or 3 (+ parameters).
+        zero_stage: ZeRO stage: 0 (plain data parallel), 1 (shard optimizer state),
+            2 (+ gradients; the default) or 3 (+ parameters); the hybrid strategy's name for it too.
         offload_optimizer: keep optimizer state in CPU memory (stages 1-3).
         offload_parameters: keep parameters in CPU memory (stage 3 only).
         config: a raw DeepSpeed config (dict or JSON path) merged under the arguments
@@ -149,6 +147,7 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
             say) rather than a DeepSpeed checkpoint folder; weights only, no optimizer state.
         activation_checkpointing: ``"none"``, ``"full"``, ``"selective"`` (not with stage 3) or a list
             of submodule globs (see :mod:`lightning_parallel.parallel.activation_checkpoint`).
+        stage: deprecated name of ``zero_stage`` (a ``FutureWarning``; both only if equal).
 
     Raises:
         ValueError: unknown stage, an offload the stage does not support, a raw config
@@ -157,10 +156,11 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
     """
 
     strategy_name = "deepspeed_zero"
+    stage = property(lambda self: self.zero_stage, doc="Deprecated name of ``zero_stage`` (read-only).")
 
     def __init__(
         self,
-        stage: int = 2,
+        zero_stage: Optional[int] = None,
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
         config: RawConfig = None,
@@ -170,25 +170,18 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Union[timedelta, int, float, None] = DEFAULT_TIMEOUT,
-        logging_level: int = logging.WARN,
-        load_full_weights: bool = False,
-        activation_checkpointing: Union[str, list[str]] = "none",
+        logging_level: int = logging.WARN, load_full_weights: bool = False,
+        activation_checkpointing: Union[str, list[str]] = "none", stage: Optional[int] = None,
     ) -> None:
+        stage = resolve_zero_stage(zero_stage, stage)  # zero_stage, or its deprecated name
         self.activation_checkpointing = ac.check_deepspeed_stage(ac.check_choice(plain(activation_checkpointing)), stage)
         merged = build_zero_config(stage, offload_optimizer, offload_parameters, config)
         timeout = as_timeout(timeout)
-        super().__init__(
-            accelerator=accelerator,
-            config=merged,
-            logging_level=logging_level,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            load_full_weights=load_full_weights,
-        )
-        self.stage = stage
+        super().__init__(accelerator=accelerator, config=merged, logging_level=logging_level,
+                         parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, load_full_weights=load_full_weights)
+        self.zero_stage = stage
         self.timeout = timeout
         # ZeRO-3 only changes behaviour (see _ZeRO3ForwardRedirection); other stages pass through.
         set_forward_redirection(self, _ZeRO3ForwardRedirection())
@@ -224,7 +217,9 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
         apply_precision(copy.deepcopy(self.config), self.precision_plugin.precision, self.device_type)
         if self.precision_plugin.precision == "bf16-mixed" and type(self.precision_plugin) is DeepSpeedPrecision:
             self.precision_plugin = _AutocastDeepSpeedPrecision("bf16-mixed")
-        check_activation_checkpointing(self.lightning_module, self.activation_checkpointing)
+        check_activation_checkpointing(
+            self.lightning_module, self.activation_checkpointing, adapter=resolved_adapter(self)
+        )
         _use_deepspeed_accelerator(self.device_type)
         # Skip DeepSpeedStrategy.setup_environment (its CUDA check); DDPStrategy's sets the
         # device up and calls setup_distributed below.
@@ -233,8 +228,9 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         """Lightning's, layers checkpointed first (torch's checkpointing: DeepSpeed's needs Megatron's mpu)."""
+        adapter = resolved_adapter(self, refresh=True)  # configure_model has run: resolve what it built
         if not any(ac.is_checkpointed(m) for m in self.lightning_module.modules()):
-            checkpoint_activations(self.lightning_module, self.activation_checkpointing)
+            checkpoint_activations(self.lightning_module, self.activation_checkpointing, adapter=adapter)
         super().setup(trainer)
 
     @override
@@ -254,13 +250,16 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Lightning's step; a Hugging Face causal LM's loss is the token mean over all ranks' batches.
 
-        See :mod:`lightning_parallel.adapters.hf_loss`: without it each rank would average its
-        own valid tokens, which is not the single-process loss when padding differs by rank.
+        The adapter's ``loss_weighting`` (see :mod:`lightning_parallel.adapters.hf_loss`): without it each
+        rank would average its own valid tokens, which is not the single-process loss when padding differs by rank.
         """
         module = self.lightning_module
-        weighting = token_weighting(module, None, self.world_size, module.trainer.accumulate_grad_batches,
-                                    warn=self.global_rank == 0)
-        with training_context(weighting):
+        weighting = resolved_adapter(self).loss_weighting(
+            None, self.world_size, module.trainer.accumulate_grad_batches, warn=self.global_rank == 0
+        )
+        if weighting is None:
+            return super().training_step(*args, **kwargs)
+        with weighting.training():
             return super().training_step(*args, **kwargs)
 
     @override
@@ -329,7 +328,7 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Lightning's DeepSpeed folder, plus the ``hugging_face`` entry ``lp-convert --to hf`` builds the model from."""
-        add_hugging_face_entry(checkpoint, self.lightning_module)
+        checkpoint.update(resolved_adapter(self).checkpoint_metadata())
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -345,7 +344,7 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
             f"{type(self).__name__} resumes DeepSpeed checkpoint folders; {str(path)!r} is {description}. To continue "
             "that run with its optimizer state, resume it under HybridParallelStrategy(zero_stage=2 or 3) (the same "
             "sharding of the data axis, the losses of the uninterrupted run). For its weights only under DeepSpeed, "
-            "pass DeepSpeedDataParallelStrategy(stage=3, load_full_weights=True) and a single-file checkpoint "
+            "pass DeepSpeedDataParallelStrategy(zero_stage=3, load_full_weights=True) and a single-file checkpoint "
             "(lp-convert SRC OUT.ckpt --to lightning turns a folder into one)."
         )
 
@@ -370,7 +369,7 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
         )
         apply_precision(self.config, self.precision_plugin.precision, self.device_type)
         rank_zero_info(
-            f"DeepSpeed ZeRO-{self.stage} on {self.device_type}: micro-batch "
+            f"DeepSpeed ZeRO-{self.zero_stage} on {self.device_type}: micro-batch "
             f"{self.config['train_micro_batch_size_per_gpu']} x accumulation {self.config['gradient_accumulation_steps']}"
             f" x {self.world_size} ranks = {self.config['train_batch_size']} samples per step, "
             f"clipping {self.config['gradient_clipping']}"

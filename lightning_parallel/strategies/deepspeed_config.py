@@ -8,7 +8,7 @@ Sources, in a fixed order of authority:
 1. the Trainer (and, through it, the Hydra config): micro-batch size, gradient
    accumulation, gradient clipping, precision (:func:`apply_trainer_settings`,
    :func:`apply_precision`);
-2. the strategy's explicit arguments: ``stage``, ``offload_optimizer``,
+2. the strategy's explicit arguments: ``zero_stage``, ``offload_optimizer``,
    ``offload_parameters`` (:func:`build_zero_config`);
 3. an optional raw DeepSpeed config (dict or JSON path) for everything else
    (:func:`load_raw_config`).
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -33,6 +34,7 @@ from typing import Any, Optional, Union
 RawConfig = Union[None, str, os.PathLike, Mapping[str, Any]]
 
 ZERO_STAGES = (0, 1, 2, 3)
+DEFAULT_ZERO_STAGE = 2
 # Lowest ZeRO stage for each kind of offload (DeepSpeed's documented support).
 OFFLOAD_MIN_STAGE = {"offload_optimizer": 1, "offload_param": 3}
 # The strategy argument that asks for each kind of offload, and what it keeps in CPU memory.
@@ -84,6 +86,26 @@ def _offload_enabled(block: Any) -> bool:
     return isinstance(block, Mapping) and str(block.get("device", "none")).lower() not in ("none", "")
 
 
+def resolve_zero_stage(zero_stage: Optional[int], stage: Optional[int] = None) -> int:
+    """The ZeRO stage from ``zero_stage`` and its deprecated former name ``stage`` (a ``FutureWarning``).
+
+    Args:
+        zero_stage: the stage asked for; None: ``stage``, else :data:`DEFAULT_ZERO_STAGE`.
+        stage: the deprecated name (``DeepSpeedDataParallelStrategy(stage=...)``, ``strategy.stage=...``).
+
+    Raises:
+        ValueError: both given, with different values.
+    """
+    if stage is None:
+        return DEFAULT_ZERO_STAGE if zero_stage is None else zero_stage
+    warnings.warn(f"DeepSpeedDataParallelStrategy(stage={stage!r}) is deprecated: use zero_stage={stage!r} (the name "
+                  "HybridParallelStrategy uses too; in a config, strategy.zero_stage).", FutureWarning, stacklevel=3)
+    if zero_stage is not None and zero_stage != stage:
+        raise ValueError(f"DeepSpeedDataParallelStrategy got zero_stage={zero_stage!r} and its deprecated name "
+                         f"stage={stage!r}: pass zero_stage only.")
+    return stage
+
+
 def _zero_section(merged: dict[str, Any], stage: int) -> dict[str, Any]:
     """The config's ``zero_optimization`` block (created if missing), with ``stage`` set.
 
@@ -96,8 +118,8 @@ def _zero_section(merged: dict[str, Any], stage: int) -> dict[str, Any]:
     if "stage" in zero and zero["stage"] != stage:
         raise ValueError(
             f"The raw DeepSpeed config sets zero_optimization.stage={zero['stage']!r} but the strategy has "
-            f"stage={stage}: the strategy argument is the one place for the stage -- pass stage={zero['stage']!r} "
-            "(or pick strategy=deepspeed_zero<N>) and drop zero_optimization.stage from the config."
+            f"zero_stage={stage}: the strategy argument is the one place for the stage -- pass "
+            f"zero_stage={zero['stage']!r} (strategy.zero_stage) and drop zero_optimization.stage from the config."
         )
     zero["stage"] = stage
     return zero
@@ -130,12 +152,12 @@ def _check_offload_stage(zero: dict[str, Any], stage: int) -> None:
             flag, what = OFFLOAD_FLAGS[key]
             raise ValueError(
                 f"ZeRO stage {stage} cannot offload {what} ({flag} / zero_optimization.{key}): use "
-                f"stage>={min_stage} (e.g. strategy=deepspeed_zero3_offload) or turn the offload off."
+                f"zero_stage>={min_stage} (e.g. strategy=deepspeed_zero3_offload) or turn the offload off."
             )
 
 
 def build_zero_config(
-    stage: int, offload_optimizer: bool = False, offload_parameters: bool = False, config: RawConfig = None
+    zero_stage: int, offload_optimizer: bool = False, offload_parameters: bool = False, config: RawConfig = None
 ) -> dict[str, Any]:
     """Merge a raw DeepSpeed config under the strategy's explicit ZeRO arguments.
 
@@ -145,7 +167,7 @@ def build_zero_config(
     offload, as long as the stage supports it.
 
     Args:
-        stage: ZeRO stage, 0 to 3.
+        zero_stage: ZeRO stage, 0 to 3.
         offload_optimizer: keep optimizer state in CPU memory (stages 1-3).
         offload_parameters: keep parameters in CPU memory (stage 3).
         config: raw DeepSpeed config (dict or JSON path), merged under the arguments.
@@ -157,12 +179,12 @@ def build_zero_config(
         ValueError: unknown stage, offload the stage cannot do, or a raw value that
             contradicts an explicit argument. The message says what to change.
     """
-    if isinstance(stage, bool) or stage not in ZERO_STAGES:
-        raise ValueError(f"stage={stage!r} is not a ZeRO stage: use 0, 1, 2 or 3 (e.g. strategy=deepspeed_zero2).")
+    if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage={zero_stage!r} is not a ZeRO stage: use 0, 1, 2 or 3 (strategy.zero_stage=2).")
     merged = load_raw_config(config)
-    zero = _zero_section(merged, stage)
+    zero = _zero_section(merged, zero_stage)
     _apply_offload_arguments(zero, {"offload_optimizer": offload_optimizer, "offload_param": offload_parameters})
-    _check_offload_stage(zero, stage)
+    _check_offload_stage(zero, zero_stage)
     # A torch optimizer (from configure_optimizers) is what this suite hands over; DeepSpeed
     # would refuse it under ZeRO or offload unless told that is intended.
     merged.setdefault("zero_allow_untested_optimizer", True)

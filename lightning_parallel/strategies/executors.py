@@ -10,9 +10,11 @@ hook -- so an executor either wraps it or replaces it, and the strategy never br
 
 Losses over padded batches: wherever items carry unequal weight (``-100`` labels), the loss of
 a global batch is ``sum(token losses) / sum(valid tokens)`` over its data-parallel ranks (and
-micro-batches), the single-process loss. The direct executor gets this for a Hugging Face
-causal LM from :mod:`lightning_parallel.adapters.hf_loss`; the pipelined one counts the
-valid items of the whole batch over the data axis and hands the count to the schedule.
+micro-batches), the single-process loss. The direct executor gets this from the model
+adapter's ``loss_weighting`` (a Hugging Face causal LM's own ``.loss``:
+:mod:`lightning_parallel.adapters.hf_loss`); the pipelined one counts the valid items of the
+whole batch over the data axis and hands the count to the schedule. Both ask the adapter the
+run resolved once (``parallelized.adapter``), never the module's type.
 """
 
 from __future__ import annotations
@@ -25,12 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_parallel.adapters.hf import find_hf_model
-from lightning_parallel.adapters.hf_loss import TokenWeightedLoss, token_weighting, training_context
 from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL
+from lightning_parallel.parallel.adapter import LossWeighting, ModelAdapter
 from lightning_parallel.parallel.pipeline.runner import PipelineRunner, default_item_count
 from lightning_parallel.parallel.tensor.plan import loss_parallel_context
-from lightning_parallel.protocol import split_batch
 
 if TYPE_CHECKING:
     from lightning_parallel.parallel.compose import Parallelized
@@ -57,11 +57,11 @@ class DirectExecutor:
 
     Args:
         loss_parallel: whether the LM head's logits stay vocabulary-sharded.
-        weighting: token-weights a Hugging Face causal LM's loss over the data-parallel ranks
-            during training steps (see :mod:`lightning_parallel.adapters.hf_loss`); None: off.
+        weighting: makes the model's own loss the global-batch mean over the data-parallel ranks
+            during training steps (the adapter's ``loss_weighting``); None: off.
     """
 
-    def __init__(self, loss_parallel: bool = False, weighting: Optional[TokenWeightedLoss] = None) -> None:
+    def __init__(self, loss_parallel: bool = False, weighting: Optional[LossWeighting] = None) -> None:
         self.loss_parallel = loss_parallel
         self.weighting = weighting
 
@@ -69,7 +69,7 @@ class DirectExecutor:
         return loss_parallel_context(True) if self.loss_parallel else nullcontext()
 
     def training_step(self, default: Default, batch: Any, batch_idx: int) -> Any:
-        with self._context(), training_context(self.weighting):
+        with self._context(), (self.weighting.training() if self.weighting is not None else nullcontext()):
             return plain_loss(default())
 
     def evaluation_step(self, default: Default, batch: Any, name: str) -> Any:
@@ -100,11 +100,10 @@ class PipelinedExecutor(DirectExecutor):
         self.data_parallel = layout.data_parallel
         self.dp_group = strategy.device_mesh[DATA_PARALLEL].get_group() if layout.data_parallel_enabled else None
         module = strategy.lightning_module
-        # Terms (loss_sum, num_items) when the module defines pipeline_loss_terms, or has no loss
-        # of its own and holds a Hugging Face causal LM (compose then supplies its loss terms).
-        self.loss_terms = callable(getattr(module, "pipeline_loss_terms", None)) or (
-            not callable(getattr(module, "pipeline_loss", None)) and find_hf_model(module) is not None
-        )
+        self.adapter = parallelized.adapter or ModelAdapter.resolve(module)
+        # Terms (loss_sum, num_items) as the adapter's pipeline plan said: the module's
+        # pipeline_loss_terms, or a causal LM's token-weighted loss.
+        self.loss_terms = parallelized.loss_terms
         self.count_items = parallelized.count_items or default_item_count
         self.runner = PipelineRunner(
             parallelized.stages,
@@ -143,7 +142,7 @@ class PipelinedExecutor(DirectExecutor):
 
     def training_step(self, default: Default, batch: Any, batch_idx: int) -> Any:
         module = self.strategy.lightning_module
-        inputs, targets = split_batch(module, batch)
+        inputs, targets = self.adapter.split_batch(batch)
         accumulation = module.trainer.accumulate_grad_batches
         if batch_idx % accumulation == 0:
             # First batch of an accumulation window: Lightning zeroes the gradients only
@@ -160,7 +159,7 @@ class PipelinedExecutor(DirectExecutor):
 
     def evaluation_step(self, default: Default, batch: Any, name: str) -> Any:
         module = self.strategy.lightning_module
-        inputs, targets = split_batch(module, batch)
+        inputs, targets = self.adapter.split_batch(batch)
         num_items = self._num_items(targets)
         with self.strategy.precision_plugin.val_step_context(), self._context():
             loss, _ = self.runner.eval_step(inputs, targets, num_items=num_items)
@@ -168,7 +167,7 @@ class PipelinedExecutor(DirectExecutor):
         return loss
 
     def predict_step(self, default: Default, batch: Any) -> Any:
-        inputs = split_batch(self.strategy.lightning_module, batch)[0] if isinstance(batch, (tuple, list)) else batch
+        inputs = self.adapter.split_batch(batch)[0] if isinstance(batch, (tuple, list)) else batch
         with self.strategy.precision_plugin.predict_step_context():
             _, outputs = self.runner.eval_step(inputs, None)
         return self.runner.broadcast_outputs(outputs)
@@ -209,8 +208,8 @@ class PipelinedExecutor(DirectExecutor):
 def choose_executor(strategy: Any, parallelized: Optional[Parallelized]) -> DirectExecutor:
     """The pipelined executor when the module was cut into stages, else the direct one.
 
-    The direct one token-weights a Hugging Face causal LM's loss over the data-parallel
-    ranks (:func:`~lightning_parallel.adapters.hf_loss.token_weighting`).
+    The direct one weights the model's own loss over the data-parallel ranks when the adapter
+    says how (``ModelAdapter.loss_weighting``: a Hugging Face causal LM's token mean).
     """
     if parallelized is not None and parallelized.pipelined:
         return PipelinedExecutor(strategy, parallelized)
@@ -221,6 +220,7 @@ def choose_executor(strategy: Any, parallelized: Optional[Parallelized]) -> Dire
     if layout.data_parallel_enabled:
         group = strategy.device_mesh[DATA_PARALLEL].get_group()
         accumulation = module.trainer.accumulate_grad_batches
-        weighting = token_weighting(module, group, layout.data_parallel, accumulation, warn=strategy.global_rank == 0)
+        adapter = parallelized.adapter or ModelAdapter.resolve(module)
+        weighting = adapter.loss_weighting(group, layout.data_parallel, accumulation, warn=strategy.global_rank == 0)
     return DirectExecutor(parallelized.options.loss_parallel, weighting)
 

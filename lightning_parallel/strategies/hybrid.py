@@ -12,9 +12,8 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -27,22 +26,22 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _compat
+from lightning_parallel.adapters import ModelAdapter
 from lightning_parallel.checkpoints import optimizer_state_dict, resolve_checkpoint, save_sharded_checkpoint
-from lightning_parallel.checkpoints.hf.metadata import add_hugging_face_entry
 from lightning_parallel.checkpoints.lightning.writer import parameter_order_entry
 from lightning_parallel.checkpoints.resume import resume_from
-from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout, Size
+from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout
 from lightning_parallel.parallel.activation_checkpoint import describe_choice
 from lightning_parallel.parallel.compose import Parallelized, check_module, parallelize
 from lightning_parallel.parallel.data import build_data_mesh, deferred_gradient_sync
-from lightning_parallel.parallel.options import ZERO_DESCRIPTIONS, ParallelOptions
+from lightning_parallel.parallel.options import ZERO_DESCRIPTIONS, ParallelOptions, options_from
 from lightning_parallel.parallel.pipeline import tied as pipeline_tied
 from lightning_parallel.parallel.pipeline.partition import measure_layer_times
 from lightning_parallel.parallel.pipeline.stages import PipelineSplit
 from lightning_parallel.parallel.precision import check_precision, describe_precision
-from lightning_parallel.protocol import split_batch
 from lightning_parallel.strategies import executors
 from lightning_parallel.strategies.clipping import GlobalNormClipping
+from lightning_parallel.strategies.resolved_adapter import resolved_adapter
 from lightning_parallel.strategies.timeouts import CollectiveTimeout, names_timeouts
 
 __all__ = ["CollectiveTimeout", "HybridParallelStrategy"]
@@ -69,81 +68,42 @@ class HybridParallelStrategy(ModelParallelStrategy):
     ``predict_step`` returns the model outputs on every rank.
 
     Args:
-        data_parallel_size, pipeline_parallel_size, tensor_parallel_size: the layout's sizes
-            (one may be ``"auto"``).
-        zero_stage, microbatches, schedule, partition, stages_per_rank: the data axis and the
-            pipeline schedule.
-        sequence_parallel, loss_parallel, plan: the tensor-parallel plan.
-        save_distributed_checkpoint, timeout: checkpoint format and collective timeout.
+        options: see :class:`~lightning_parallel.parallel.options.ParallelOptions` (sizes, ``zero_stage``,
+            schedule, tensor-parallel plan, precision, checkpoint format, timeout, ...): one
+            ``ParallelOptions``, or its fields as keywords (``option_kwargs``); both only where they agree.
         process_group_backend: ``gloo``/``nccl``; default by device.
         load_optimizer_state: ``ckpt_path``'s optimizer state is restored (default), resharded
             onto this layout, or the load is refused when it cannot be exactly (state that is not
             per-element, a param-group mismatch). ``False``: load everything else (weights,
             loops, LR schedulers, callbacks) and start the optimizer afresh, with a warning.
-        activation_checkpointing: ``"none"``, ``"full"`` (every layer recomputes its forward in
-            backward), ``"selective"`` (keeps matmul and attention outputs, recomputes the rest)
-            or a list of submodule globs; see :mod:`lightning_parallel.parallel.activation_checkpoint`.
-        param_dtype, reduce_dtype: FSDP2's mixed-precision policy under ``zero_stage`` 2/3 (all-gathered
-            parameters; gradient reduce-scatter, fp32 by default). The Trainer's ``precision`` decides
-            the rest; what each precision does per axis: :mod:`lightning_parallel.parallel.precision`.
-        data_replicate_size, data_shard_size: HSDP under ``zero_stage`` 2/3: shard within groups of
-            ``data_shard_size`` data ranks, all-reduce across ``data_replicate_size`` groups
-            (see :mod:`lightning_parallel.parallel.data`).
-        comm_hook: ``"none"`` or ``"bf16"`` (gradients reduced in bf16: ``reduce_dtype="bfloat16"``);
-            DDP's ``fp16``/``powersgd`` hooks have no FSDP2 form and are refused with the reason.
-        bucket_size_mb: ``zero_stage=0`` only: layers per gradient all-reduce, DDP's ``bucket_cap_mb`` (25).
-        fsdp_prefetch: ``zero_stage`` 2/3: layers each layer prefetches (FSDP2); None: FSDP2's default.
+        **option_kwargs: fields of ``ParallelOptions`` by name, e.g. ``pipeline_parallel_size=2,
+            zero_stage=2``; every argument is a keyword.
 
     ``ckpt_path`` may name the suite's folder, a Lightning single-file checkpoint (single
     device, DDP, FSDP full state), a Lightning DCP folder (``ModelParallelStrategy``,
     ``FSDPStrategy`` sharded) or a DeepSpeed ZeRO 0-3 folder; see
     :mod:`lightning_parallel.checkpoints.resume`.
 
-    All but ``process_group_backend`` are validated at construction into one frozen
-    :class:`~lightning_parallel.parallel.options.ParallelOptions` (``strategy.options``),
-    whose docstring describes each of them.
+    The options are validated at construction into one frozen ``ParallelOptions``
+    (``strategy.options``); an unknown name is a ``ValueError`` with the closest valid one.
     """
 
     strategy_name = "hybrid_parallel"
 
     def __init__(
         self,
-        data_parallel_size: Size = "auto",
-        pipeline_parallel_size: Size = 1,
-        tensor_parallel_size: Size = 1,
-        zero_stage: int = 0,
-        microbatches: int = 4,
-        schedule: str = "1f1b",
-        partition: Union[str, list[int]] = "parameters",
-        stages_per_rank: int = 1,
-        sequence_parallel: bool = False,
-        loss_parallel: bool = False,
-        plan: Optional[dict[str, Any]] = None,
-        save_distributed_checkpoint: bool = True,
+        options: Optional[ParallelOptions] = None,
+        *,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[Union[timedelta, float]] = None,
         load_optimizer_state: bool = True,
-        activation_checkpointing: Union[str, list[str]] = "none",
-        param_dtype: Optional[str] = None,
-        reduce_dtype: str = "float32",
-        data_replicate_size: Optional[int] = None,
-        data_shard_size: Optional[int] = None,
-        comm_hook: str = "none",
-        bucket_size_mb: Optional[float] = None,
-        fsdp_prefetch: Optional[int] = None,
+        **option_kwargs: Any,
     ) -> None:
         self.load_optimizer_state = _checked_load_optimizer_state(load_optimizer_state)
-        self.options = ParallelOptions(
-            data_parallel_size, pipeline_parallel_size, tensor_parallel_size, zero_stage, microbatches, schedule,
-            partition, stages_per_rank, sequence_parallel, loss_parallel, plan, save_distributed_checkpoint, timeout,
-            activation_checkpointing=activation_checkpointing, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-            data_replicate_size=data_replicate_size, data_shard_size=data_shard_size, comm_hook=comm_hook,
-            bucket_size_mb=bucket_size_mb, fsdp_prefetch=fsdp_prefetch,
-        )
+        self.options = options_from(options, option_kwargs, type(self).__name__)
         super().__init__(
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            save_distributed_checkpoint=save_distributed_checkpoint,
+            data_parallel_size=self.options.data_parallel_size,
+            tensor_parallel_size=self.options.tensor_parallel_size,
+            save_distributed_checkpoint=self.options.save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=self.options.timeout,
         )
@@ -217,12 +177,18 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 "save_distributed_checkpoint=False gathers one file on rank 0, which holds only the first pipeline "
                 "stage: keep save_distributed_checkpoint=True under pipeline parallelism (the folder loads under any layout)."
             )
-        check_module(self.lightning_module, self.layout, self.options)
+        check_module(self.lightning_module, self.layout, self.options, adapter=self.adapter)
         check_precision(self.precision_plugin.precision, self.options, self.layout)
         _compat.init_model_parallel_process_group(self)
         self._mesh = self.layout.build_mesh(self.root_device.type)
         self._data_mesh = build_data_mesh(self.layout, self._mesh, self.options.zero_stage)
         _compat.set_module_device_mesh(self.lightning_module, self._mesh)
+
+    @property
+    def adapter(self) -> ModelAdapter:
+        """What answers for the module being trained (``lightning_parallel.adapters.adapt``), resolved once per module
+        and again in ``setup``, after ``configure_model`` may have built the model inside it."""
+        return resolved_adapter(self)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -252,12 +218,12 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def _parallelize(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
         if self._parallelized_module is not None and self._parallelized_module() is module:
             return  # fit() then validate/test/predict() with the same Trainer: already split and sharded
-        layout = self.layout
+        layout, adapter = self.layout, resolved_adapter(self, refresh=True)  # after configure_model: what it built
         timed = layout.pipeline_parallel_enabled and self.options.partition == "time"
         times = self._agreed_layer_times(module, trainer) if timed else None
         self.parallelized = parallelize(
             module, layout, self.device_mesh, self.options, self.global_rank, times, on_split=self._print_split,
-            precision=str(self.precision_plugin.precision), data_mesh=self._data_mesh,
+            precision=str(self.precision_plugin.precision), data_mesh=self._data_mesh, adapter=adapter,
         )
         self._parallelized_module = weakref.ref(module)
 
@@ -275,7 +241,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             raise ValueError(
                 "partition='time' measures layers on a training batch, but none could be loaded: use 'parameters'."
             ) from error
-        inputs, _ = split_batch(module, batch)
+        inputs, _ = self.adapter.split_batch(batch)
         sample = inputs[: max(1, inputs.shape[0] // self.options.microbatches)].to(self.root_device)
         times = torch.tensor(measure_layer_times(module.pipeline_layers(), sample), dtype=torch.float64)
         dist.all_reduce(times)
@@ -338,7 +304,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write a sharded DCP folder that appears under ``filepath`` only when every rank has finished."""
-        add_hugging_face_entry(checkpoint, self.lightning_module)
+        checkpoint.update(self.adapter.checkpoint_metadata())
         if not self.options.save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:

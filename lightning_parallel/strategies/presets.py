@@ -6,42 +6,62 @@ no second implementation behind them, and every other argument is the hybrid str
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
-from lightning_parallel.layout import Size
+from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
+
+
+def _preset_sizes(size_name: str, options: Optional[ParallelOptions], option_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The preset's defaults for keyword options: its own size ``"auto"`` (all ranks), and with an explicit
+    size the rest to data parallelism. An ``options`` object is taken as it is."""
+    if options is None:
+        option_kwargs.setdefault(size_name, "auto")
+        option_kwargs.setdefault("data_parallel_size", 1 if option_kwargs[size_name] == "auto" else "auto")
+    return option_kwargs
 
 
 class PipelineParallelStrategy(HybridParallelStrategy):
     """Pipeline parallelism over ``torch.distributed.pipelining``.
 
-    With ``pipeline_parallel_size="auto"`` every rank is a pipeline stage; an explicit size
-    smaller than the world leaves the rest to data parallelism.
+    With ``pipeline_parallel_size="auto"`` (the default here) every rank is a pipeline stage; an
+    explicit size smaller than the world leaves the rest to data parallelism.
 
     Args:
-        pipeline_parallel_size: pipeline ranks, or ``"auto"`` for all of them.
-        **kwargs: :class:`HybridParallelStrategy` arguments (``microbatches``, ``schedule``,
-            ``partition``, ``stages_per_rank``, ``zero_stage``, ``timeout``, ...).
+        options: see :class:`~lightning_parallel.parallel.options.ParallelOptions` (``microbatches``,
+            ``schedule``, ``partition``, ``stages_per_rank``, ``zero_stage``, ...), taken as it is; or
+            its fields as keywords, where this preset's size defaults apply.
+        process_group_backend: see :class:`HybridParallelStrategy`.
+        load_optimizer_state: see :class:`HybridParallelStrategy`.
+        **option_kwargs: fields of ``ParallelOptions`` by name, e.g. ``pipeline_parallel_size=2``.
     """
 
     strategy_name = "pipeline_parallel"
 
-    def __init__(self, pipeline_parallel_size: Size = "auto", **kwargs: Any) -> None:
-        kwargs.setdefault("data_parallel_size", 1 if pipeline_parallel_size == "auto" else "auto")
-        super().__init__(pipeline_parallel_size=pipeline_parallel_size, **kwargs)
+    def __init__(self, options: Optional[ParallelOptions] = None, *, process_group_backend: Optional[str] = None,
+                 load_optimizer_state: bool = True, **option_kwargs: Any) -> None:
+        super().__init__(options, process_group_backend=process_group_backend, load_optimizer_state=load_optimizer_state,
+                         **_preset_sizes("pipeline_parallel_size", options, option_kwargs))
 
 
 class TensorParallelStrategy(HybridParallelStrategy):
     """Tensor parallelism on DTensor, driven by the module's ``tensor_parallel_plan()``.
 
+    With ``tensor_parallel_size="auto"`` (the default here) every rank shares each layer; an
+    explicit size smaller than the world leaves the rest to data parallelism.
+
     Args:
-        tensor_parallel_size: ranks sharing each layer, or ``"auto"`` for all of them.
-        **kwargs: :class:`HybridParallelStrategy` arguments (``sequence_parallel``,
-            ``loss_parallel``, ``plan``, ``timeout``, ...).
+        options: see :class:`~lightning_parallel.parallel.options.ParallelOptions` (``sequence_parallel``,
+            ``loss_parallel``, ``plan``, ...), taken as it is; or its fields as keywords, where this
+            preset's size defaults apply.
+        process_group_backend: see :class:`HybridParallelStrategy`.
+        load_optimizer_state: see :class:`HybridParallelStrategy`.
+        **option_kwargs: fields of ``ParallelOptions`` by name, e.g. ``tensor_parallel_size=2``.
     """
 
     strategy_name = "tensor_parallel"
 
-    def __init__(self, tensor_parallel_size: Size = "auto", **kwargs: Any) -> None:
-        kwargs.setdefault("data_parallel_size", 1 if tensor_parallel_size == "auto" else "auto")
-        super().__init__(tensor_parallel_size=tensor_parallel_size, **kwargs)
+    def __init__(self, options: Optional[ParallelOptions] = None, *, process_group_backend: Optional[str] = None,
+                 load_optimizer_state: bool = True, **option_kwargs: Any) -> None:
+        super().__init__(options, process_group_backend=process_group_backend, load_optimizer_state=load_optimizer_state,
+                         **_preset_sizes("tensor_parallel_size", options, option_kwargs))

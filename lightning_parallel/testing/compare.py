@@ -46,9 +46,10 @@ class Layout:
     """One layout to compare: a strategy and the number of processes it runs on.
 
     Args:
-        strategy: a registered name (``"auto"``, ``"ddp"``), a strategy object, or a
+        strategy: a registered name (``"auto"``, ``"ddp"``, ``"pipeline_parallel"``), a strategy object, or a
             zero-argument factory such as ``functools.partial(HybridParallelStrategy, pipeline_parallel_size=2)``
-            (must be picklable: it travels to the ranks).
+            (must be picklable: it travels to the ranks). The data module is given the layout it resolves
+            to (:func:`~lightning_parallel.strategies.resolve.resolve_layout`), however it is given.
         devices: processes of this layout.
         name: the label in tables (default: derived from the strategy and ``devices``).
         trainer_kwargs: Trainer arguments for this layout only.
@@ -158,16 +159,11 @@ def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return merged
 
 
-def _layout_of(strategy: Any, devices: int) -> Any:
-    from lightning_parallel.cli.preflight import layout_of
-
-    return layout_of(strategy, devices)
-
-
 def _fit_one(layout: Layout, case: Case, world_size: int, steps: int, seed: int, accelerator: str,
              trace_step: Optional[int] = None) -> dict[str, Any]:
     """Fit ``case`` under ``layout`` in this rank; the recorded steps and (rank 0) the final parameters,
     or with ``trace_step`` this rank's :class:`~lightning_parallel.testing.trace.TraceRecorder` record of that step."""
+    from lightning_parallel.strategies.resolve import resolve_layout
     from lightning_parallel.testing.fit import quiet_trainer
     from lightning_parallel.testing.trace import TraceRecorder
 
@@ -178,7 +174,7 @@ def _fit_one(layout: Layout, case: Case, world_size: int, steps: int, seed: int,
         strategy = strategy()
     data = case.datamodule_factory
     takes_layout = bool(inspect.signature(data).parameters) if callable(data) else False
-    datamodule = data(_layout_of(strategy, world_size)) if takes_layout else data()
+    datamodule = data(resolve_layout(strategy, world_size)) if takes_layout else data()
     recorder = StepRecorder() if trace_step is None else TraceRecorder(trace_step)
     kwargs = {**QUIET, **case.trainer_kwargs, **layout.trainer_kwargs}
     trainer = quiet_trainer(world_size, strategy, steps, [recorder], accelerator=accelerator, **kwargs)

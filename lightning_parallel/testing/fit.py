@@ -103,8 +103,8 @@ def fit_regression_epochs(
         global_batch: samples per step over all data-parallel ranks.
         optimizer: the MLP's optimizer (``"adamw"`` or ``"sgd"``).
         module: fit this module instead of a fresh ``ResidualMLP(optimizer=optimizer, seed=seed)``.
-        data_parallel: data-parallel size; by default the strategy's own (``preflight.layout_of``), which
-            Lightning's ``ModelParallelStrategy`` does not report.
+        data_parallel: data-parallel size; by default the strategy's own (``strategies.resolve.resolve_layout``),
+            which Lightning's ``ModelParallelStrategy`` does not report.
         callbacks: further callbacks; checkpointing is on only when some are given (e.g. a ``ModelCheckpoint``).
         ckpt_path: resume from this checkpoint.
         seed: the fresh module's initialisation seed; resume with another one, so that weights that did not
@@ -113,7 +113,7 @@ def fit_regression_epochs(
     Returns:
         The global-batch loss of every batch this fit trained, and the Trainer.
     """
-    from lightning_parallel.cli.preflight import layout_of
+    from lightning_parallel.strategies.resolve import resolve_layout
     from lightning_parallel.testing.models import ResidualMLP, regression_dataset
 
     pl.seed_everything(0, verbose=False)
@@ -122,7 +122,7 @@ def fit_regression_epochs(
                          limit_train_batches=batches, limit_val_batches=0, logger=False,
                          enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False, callbacks=[history, *callbacks])
-    dp = data_parallel if data_parallel is not None else layout_of(strategy, world_size).data_parallel
+    dp = data_parallel if data_parallel is not None else resolve_layout(strategy, world_size).data_parallel
     data = FixedOrderData(regression_dataset(batches * global_batch, 32), batch_size=global_batch // dp)
     trainer.fit(module or ResidualMLP(optimizer=optimizer, seed=seed), datamodule=data, ckpt_path=ckpt_path)
     return history.losses, trainer

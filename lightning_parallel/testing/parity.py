@@ -31,7 +31,9 @@ class LossHistory(pl.Callback):
         self.losses: list[float] = []
         self.local_losses: list[float] = []
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         local = loss.detach().double() * trainer.accumulate_grad_batches
         self.local_losses.append(float(local))
@@ -56,7 +58,9 @@ class BatchHistory(pl.Callback):
         self.folder = Path(folder) if folder is not None else None
         self.batches: list[tuple[int, float]] = []
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
         record = (trainer.global_step, round(float(torch.as_tensor(inputs).double().sum()), 6))
         self.batches.append(record)

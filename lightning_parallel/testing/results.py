@@ -93,7 +93,9 @@ def diff_from(run: LayoutRun, ref: LayoutRun) -> LayoutDiff:
     grad = _max_abs(run.grad_norms, ref.grad_norms) if recorded or not run.grad_norms else math.nan
     scale = max([1.0] + [abs(g) for g in ref.grad_norms if math.isfinite(g)])
     parameter, missing = _parameter_diff(run.parameters or {}, ref.parameters or {})
-    return LayoutDiff(run.name, run.devices, loss, spread, grad, grad / scale, _max_abs(run.lrs, ref.lrs), parameter, missing)
+    return LayoutDiff(
+        run.name, run.devices, loss, spread, grad, grad / scale, _max_abs(run.lrs, ref.lrs), parameter, missing
+    )
 
 
 def _fmt(value: float, tolerance: Optional[float] = None) -> str:

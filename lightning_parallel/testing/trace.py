@@ -64,7 +64,9 @@ class TraceRecorder(pl.Callback):
 
         return record
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step == self.step and not self._done:
             self._handles = [m.register_forward_hook(self._hook(n)) for n, m in pl_module.named_modules() if n]
 

@@ -17,8 +17,11 @@ BATCHES = 4
 GLOBAL_BATCH = 16
 WORLD_SIZE = 4
 # checkpoint name (``<name>.ckpt`` in the folder) -> HybridParallelStrategy arguments
-SAVE_LAYOUTS = {"dp2xtp2": {"tensor_parallel_size": 2}, "pp2xtp2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
-                "dp2xpp2": {"pipeline_parallel_size": 2}}
+SAVE_LAYOUTS = {
+    "dp2xtp2": {"tensor_parallel_size": 2},
+    "pp2xtp2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
+    "dp2xpp2": {"pipeline_parallel_size": 2},
+}
 
 fit = partial(fit_regression_epochs, batches=BATCHES, global_batch=GLOBAL_BATCH)
 

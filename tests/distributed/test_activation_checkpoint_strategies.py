@@ -28,7 +28,7 @@ def _strategy(kind: str, mode: str):
         return PipelineParallelStrategy(microbatches=2, activation_checkpointing=mode)
     from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
 
-    return DeepSpeedDataParallelStrategy(stage=3, activation_checkpointing=mode)
+    return DeepSpeedDataParallelStrategy(zero_stage=3, activation_checkpointing=mode)
 
 
 def _modes(kind: str) -> tuple[str, ...]:

@@ -55,7 +55,9 @@ class _CountSteps(pl.Callback):
 
         self._counter = CommCounter().__enter__()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         from benchmarks.comm import CommCounter
 
         self._counter.__exit__(None, None, None)
@@ -73,11 +75,13 @@ def _count_zero3(rank: int, world_size: int) -> dict[str, list[tuple[dict, dict]
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
     callback = _CountSteps(rank)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, strategy=DeepSpeedDataParallelStrategy(stage=3), max_steps=STEPS,
+        accelerator="cpu", devices=world_size, strategy=DeepSpeedDataParallelStrategy(zero_stage=3), max_steps=STEPS,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0, callbacks=[callback],
     )
-    trainer.fit(ResidualMLP(WIDTH, DEPTH, optimizer="sgd"), train_dataloaders=DataLoader(dataset, PER_RANK, sampler=sampler))
+    trainer.fit(
+        ResidualMLP(WIDTH, DEPTH, optimizer="sgd"), train_dataloaders=DataLoader(dataset, PER_RANK, sampler=sampler)
+    )
     return {"trainer": callback.trainer_steps, "raw": callback.raw_steps}
 
 
@@ -100,12 +104,15 @@ def test_zero3_trainer_step_gathers_like_the_raw_engine(per_rank: list[dict]) ->
         trainer_counts, trainer_bytes = _total(result["trainer"])
         raw_counts, raw_bytes = _total(result["raw"])
         # Not vacuous: the raw engine gathers partitioned parameters every step.
-        assert raw_counts["all_gather_into_tensor"] > 0, f"rank {rank}: the raw ZeRO-3 step gathered nothing: {raw_counts}"
+        assert raw_counts["all_gather_into_tensor"] > 0, (
+            f"rank {rank}: the raw ZeRO-3 step gathered nothing: {raw_counts}"
+        )
         assert trainer_counts["all_gather_into_tensor"] == raw_counts["all_gather_into_tensor"], (
             f"rank {rank}: Trainer {trainer_counts} vs raw {raw_counts} over steps {STEADY_FROM}..{STEPS - 1}"
         )
         assert trainer_bytes["all_gather_into_tensor"] == raw_bytes["all_gather_into_tensor"], (
-            f"rank {rank}: Trainer gathered {trainer_bytes['all_gather_into_tensor']} B vs raw {raw_bytes['all_gather_into_tensor']} B"
+            f"rank {rank}: Trainer gathered {trainer_bytes['all_gather_into_tensor']} B "
+            f"vs raw {raw_bytes['all_gather_into_tensor']} B"
         )
 
 

@@ -28,7 +28,8 @@ def _fit_expecting_errors(rank: int, world_size: int) -> dict[str, tuple[str, st
     out = {}
     for name, (config, trainer_kwargs) in CASES.items():
         history = LossHistory()
-        trainer = quiet_trainer(world_size, DeepSpeedDataParallelStrategy(stage=2, config=config), 2, [history], **trainer_kwargs)
+        strategy = DeepSpeedDataParallelStrategy(zero_stage=2, config=config)
+        trainer = quiet_trainer(world_size, strategy, 2, [history], **trainer_kwargs)
         try:
             trainer.fit(ResidualMLP(), datamodule=FixedOrderData(regression_dataset(64, 32), batch_size=16))
             out[name] = ("no error", "", len(history.losses))

@@ -49,9 +49,10 @@ def _fit_cases(rank: int, world_size: int, cases: list[tuple[object, str]]) -> l
     out = []
     for stage, name in cases:
         optimizer, trainer_kwargs = REFERENCE_CASES[name]
-        strategy = "auto" if stage is None else partial(DeepSpeedDataParallelStrategy, stage=stage)
+        strategy = "auto" if stage is None else partial(DeepSpeedDataParallelStrategy, zero_stage=stage)
         data_parallel = 1 if stage is None else world_size
-        out.append(fit_losses(rank, world_size, strategy, GLOBAL_BATCH, data_parallel, optimizer=optimizer, trainer_kwargs=trainer_kwargs))
+        out.append(fit_losses(rank, world_size, strategy, GLOBAL_BATCH, data_parallel, optimizer=optimizer,
+                              trainer_kwargs=trainer_kwargs))
     return out
 
 
@@ -101,7 +102,7 @@ def _trainer(world_size: int, stage: int, history: LossHistory, max_epochs: int,
     return pl.Trainer(
         accelerator="cpu",
         devices=world_size,
-        strategy=DeepSpeedDataParallelStrategy(stage=stage),
+        strategy=DeepSpeedDataParallelStrategy(zero_stage=stage),
         max_epochs=max_epochs,
         limit_train_batches=BATCHES_PER_EPOCH,
         limit_val_batches=0,
@@ -142,7 +143,9 @@ def _resume_run(rank: int, world_size: int, stage: int, root: str) -> dict[str, 
 
     pl.seed_everything(0)
     first = LossHistory()
-    saver = ModelCheckpoint(dirpath=root, filename="epoch0", save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True)
+    saver = ModelCheckpoint(
+        dirpath=root, filename="epoch0", save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True
+    )
     trainer = _trainer(world_size, stage, first, 1, [saver])
     trainer.fit(ResidualMLP(optimizer="adamw"), datamodule=data())
 

@@ -70,10 +70,10 @@ def _deepspeed_runs(rank: int, world_size: int, root: str) -> dict:
 
     out = {}
     for stage, optimizer in CASES:
-        full, _ = _fit(world_size, DeepSpeedDataParallelStrategy(stage=stage), 2, optimizer=optimizer)
+        full, _ = _fit(world_size, DeepSpeedDataParallelStrategy(zero_stage=stage), 2, optimizer=optimizer)
         saver = ModelCheckpoint(dirpath=root, filename=_name(stage, optimizer), save_top_k=-1, every_n_epochs=1,
                                 save_on_train_epoch_end=True)
-        first, trainer = _fit(world_size, DeepSpeedDataParallelStrategy(stage=stage), 1, optimizer=optimizer,
+        first, trainer = _fit(world_size, DeepSpeedDataParallelStrategy(zero_stage=stage), 1, optimizer=optimizer,
                               callbacks=[saver])
         live = _live_optimizer_state(trainer, STATE_KEYS[optimizer])
         out[(stage, optimizer)] = {"full": full, "first": first, "live": live}
@@ -95,11 +95,15 @@ def trained(tmp_path_factory):
     return {"root": root, "runs": per_rank, "seconds": seconds}
 
 
-def _resume_single(rank: int, world_size: int, root: str, names: list[tuple[str, str]]) -> dict[str, list[float]]:
+def _resume_single(
+    rank: int, world_size: int, root: str, names: list[tuple[str, str]]
+) -> dict[str, list[float]]:
     from lightning_parallel.strategies import HybridParallelStrategy
 
-    return {folder: _fit(1, HybridParallelStrategy(), 2, optimizer=optimizer, ckpt_path=str(Path(root) / folder), seed=1)[0]
-            for folder, optimizer in names}
+    return {
+        folder: _fit(1, HybridParallelStrategy(), 2, optimizer=optimizer, ckpt_path=str(Path(root) / folder), seed=1)[0]
+        for folder, optimizer in names
+    }
 
 
 def _resume_pipeline(rank: int, world_size: int, root: str, names: list[tuple[str, str]]) -> dict[str, list[float]]:

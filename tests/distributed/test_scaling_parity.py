@@ -46,7 +46,9 @@ def test_fixed_global_batch_gives_the_same_losses_on_one_and_two_devices():
     one = _fixed_case(1)
     # The negative control rides in the same launch: the 1-device run without rescaling
     # (accumulation of the 2-device run, so half the global batch) must differ.
-    unscaled = _case(1, _fixed_case(2)["trainer_kwargs"]["accumulate_grad_batches"], REFERENCE.lr, REFERENCE.warmup_steps)
+    unscaled = _case(
+        1, _fixed_case(2)["trainer_kwargs"]["accumulate_grad_batches"], REFERENCE.lr, REFERENCE.warmup_steps
+    )
     single = run_processes(fit_cases, 1, {"fixed": one, "unscaled": unscaled}, timeout=300)[0]
     two = _fixed_case(2)
     per_rank = run_processes(fit_cases, 2, {"fixed": two}, timeout=300)

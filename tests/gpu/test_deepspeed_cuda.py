@@ -28,7 +28,7 @@ BATCH = 16
 def _fit(rank: int, world_size: int, stage, precision: str, root: str) -> dict[str, object]:
     """Fit the test model on cuda:0; for DeepSpeed also save, reload and consolidate the checkpoint."""
     pl.seed_everything(0)
-    strategy = "auto" if stage is None else DeepSpeedDataParallelStrategy(stage=stage)
+    strategy = "auto" if stage is None else DeepSpeedDataParallelStrategy(zero_stage=stage)
     history = LossHistory()
     trainer = quiet_trainer(1, strategy, STEPS, [history], accelerator="cuda", precision=precision)
     trainer.fit(ResidualMLP(optimizer="adamw"), datamodule=FixedOrderData(regression_dataset(256, 32), BATCH))

@@ -1,4 +1,7 @@
-"""Runs ``lp-train`` for the error-message tests: many cases in one process (the import is the slow part), or the installed command."""
+"""Runs ``lp-train`` for the error-message tests.
+
+Many cases in one process (the import is the slow part), or the installed command.
+"""
 
 import json
 import os
@@ -28,7 +31,10 @@ def entry_point_env():
 
 
 def run_cases_in_one_process(cases, cwd):
-    """``{name: (exit code, output)}`` of ``lightning_parallel.cli.train.main`` for each ``(name, args)`` in ``cases``."""
+    """``{name: (exit code, output)}`` of ``lightning_parallel.cli.train.main``.
+
+    One entry for each ``(name, args)`` in ``cases``.
+    """
     payload = json.dumps([[name, [str(a) for a in args]] for name, args in cases])
     result = subprocess.run([sys.executable, "-c", HELPER, payload], cwd=cwd, env=entry_point_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)

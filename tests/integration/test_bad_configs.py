@@ -19,19 +19,27 @@ TINY = ["model=gpt_tiny", "trainer=cpu_test", "trainer.max_steps=1", "logger=non
 
 # (case, overrides, what the message must contain, its remedy); {tmp} is the test's folder.
 CASES = [
-    ("max_step_typo", "trainer.max_step=5", ["trainer.max_step is not a Trainer argument"], "did you mean trainer.max_steps=5?"),
-    ("max_step_appended", "+trainer.max_step=5", ["trainer.max_step is not a Trainer argument"], "did you mean trainer.max_steps=5?"),
+    ("max_step_typo", "trainer.max_step=5", ["trainer.max_step is not a Trainer argument"],
+     "did you mean trainer.max_steps=5?"),
+    ("max_step_appended", "+trainer.max_step=5", ["trainer.max_step is not a Trainer argument"],
+     "did you mean trainer.max_steps=5?"),
     ("accelerator_typo", "trainer.acelerator=cpu", ["trainer.acelerator"], "did you mean trainer.accelerator=cpu?"),
-    ("gpu_without_cuda", "trainer.accelerator=gpu", ["trainer.accelerator=gpu", "no cuda device"], "use trainer.accelerator=cpu"),
-    ("unknown_accelerator", "trainer.accelerator=quantum", ["trainer.accelerator=quantum"], "cpu, cuda, mps, tpu, auto"),
+    ("gpu_without_cuda", "trainer.accelerator=gpu", ["trainer.accelerator=gpu", "no cuda device"],
+     "use trainer.accelerator=cpu"),
+    ("unknown_accelerator", "trainer.accelerator=quantum", ["trainer.accelerator=quantum"],
+     "cpu, cuda, mps, tpu, auto"),
     ("missing_data_path", "data.path=no_such_corpus", ["data.path=no_such_corpus does not exist"], "or data.path=null"),
-    ("last_without_checkpoint", "ckpt_path=last", ["ckpt_path=last", "holds no last*.ckpt"], "continue an earlier run with resume=<its folder>"),
+    ("last_without_checkpoint", "ckpt_path=last", ["ckpt_path=last", "holds no last*.ckpt"],
+     "continue an earlier run with resume=<its folder>"),
     ("missing_checkpoint", "ckpt_path=missing.ckpt", ["ckpt_path=missing.ckpt does not exist"], "resume=<run folder>"),
-    ("run_folder_as_checkpoint", "ckpt_path={tmp}/old_run", ["ckpt_path={tmp}/old_run is a run folder"], "continue it with resume={tmp}/old_run"),
-    ("resume_not_a_run", "resume={tmp}/nothing_here", ["resume={tmp}/nothing_here: not a run folder"], "give a folder lp-train made"),
+    ("run_folder_as_checkpoint", "ckpt_path={tmp}/old_run", ["ckpt_path={tmp}/old_run is a run folder"],
+     "continue it with resume={tmp}/old_run"),
+    ("resume_not_a_run", "resume={tmp}/nothing_here", ["resume={tmp}/nothing_here: not a run folder"],
+     "give a folder lp-train made"),
     ("fp16_under_tensor", "strategy=tensor trainer.devices=2 trainer.precision=16-mixed",
      ["precision='16-mixed' is not supported"], "use 'bf16-mixed'"),
-    ("another_runs_folder", "hydra.run.dir={tmp}/old_run", ["{tmp}/old_run already holds run abc123"], "continue that run with resume={tmp}/old_run"),
+    ("another_runs_folder", "hydra.run.dir={tmp}/old_run", ["{tmp}/old_run already holds run abc123"],
+     "continue that run with resume={tmp}/old_run"),
 ]
 CLI_CASES = ("max_step_typo", "gpu_without_cuda")
 
@@ -71,7 +79,9 @@ def _assert_one_short_error(name, code, output, fragments, remedy):
 def test_bad_configs_fail_once_with_a_remedy_before_any_rank_starts(tmp_path):
     assert len(CASES) >= 10
     _old_run(tmp_path)
-    expected = {name: ([f.format(tmp=tmp_path) for f in frags], remedy.format(tmp=tmp_path)) for name, _, frags, remedy in CASES}
+    expected = {
+        name: ([f.format(tmp=tmp_path) for f in frags], remedy.format(tmp=tmp_path)) for name, _, frags, remedy in CASES
+    }
     overrides = {name: over for name, over, _, _ in CASES}
     with ThreadPoolExecutor(max_workers=len(CLI_CASES) + 1) as pool:
         in_process = pool.submit(_in_process, tmp_path)

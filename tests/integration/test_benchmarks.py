@@ -47,7 +47,8 @@ def test_runner_writes_results_csv_report_and_plots(tmp_path):
     assert single["max_loss_diff_vs_raw"] < 1e-5
     assert single["memory_per_rank"][0]["params"] == single["raw_memory_per_rank"][0]["params"]
     row = saved["pipeline"][0]
-    assert row["schedule"] == "1f1b" and len(row["idle_per_rank"]) == 2 and row["theory"] == pytest.approx(1 / 5, abs=1e-3)
+    assert row["schedule"] == "1f1b" and len(row["idle_per_rank"]) == 2
+    assert row["theory"] == pytest.approx(1 / 5, abs=1e-3)
     assert all(b > 0 for b in row["peak_activation_bytes"])
     with (out / "results.csv").open() as f:
         assert next(csv.DictReader(f))["layout"] == "single"

@@ -55,7 +55,8 @@ def test_hybrid_experiment_on_eight_devices_adds_data_parallelism():
 def test_lp_train_hf_tensor_on_two_processes_learns(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
     # No warm-up: the experiment's 30 warm-up steps would leave 4 steps at a near-zero learning rate.
-    args = ["experiment=hf_tensor", "trainer.devices=2", *TINY_RUN, "model.warmup_steps=0", f"hydra.run.dir={tmp_path}/run"]
+    args = ["experiment=hf_tensor", "trainer.devices=2", *TINY_RUN, "model.warmup_steps=0",
+            f"hydra.run.dir={tmp_path}/run"]
     result = subprocess.run([sys.executable, "-m", "lightning_parallel.cli.train", *args], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]

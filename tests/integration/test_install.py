@@ -46,7 +46,9 @@ def _env(*pythonpath: Path) -> dict:
 
 
 def _run(command: list, cwd: Path, env: dict, timeout: int = 300) -> str:
-    result = subprocess.run([str(c) for c in command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        [str(c) for c in command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result.stdout + result.stderr
 
@@ -81,7 +83,8 @@ def test_wheel_carries_configs_and_recipes_inside_the_package_and_nothing_top_le
     assert top == {"lightning_parallel", "lightning_parallel_pytest", "lightning_parallel-0.1.0.dist-info"}
     # Every config, recipe and module of the checkout is in the wheel (a subpackage missing from
     # pyproject.toml's package list would be left out silently).
-    expected = {f"lightning_parallel/conf/{p.relative_to(ROOT / 'conf').as_posix()}" for p in (ROOT / "conf").rglob("*.yaml")}
+    expected = {f"lightning_parallel/conf/{p.relative_to(ROOT / 'conf').as_posix()}"
+                for p in (ROOT / "conf").rglob("*.yaml")}
     expected |= {f"lightning_parallel/examples/{p.relative_to(ROOT / 'examples').as_posix()}"
                  for p in (ROOT / "examples").rglob("*.py")}
     expected |= {p.relative_to(ROOT).as_posix() for d in ("lightning_parallel", "lightning_parallel_pytest")
@@ -92,7 +95,8 @@ def test_wheel_carries_configs_and_recipes_inside_the_package_and_nothing_top_le
 
 def test_installed_lp_train_trains_from_a_folder_outside_the_checkout(site, tmp_path):
     env = _env(site)
-    where = _run([sys.executable, "-c", "import lightning_parallel.examples.nlp.model as m, lightning_parallel.cli.train as t;"
+    where = _run([sys.executable, "-c",
+                  "import lightning_parallel.examples.nlp.model as m, lightning_parallel.cli.train as t;"
                   "print(m.__file__); print(t.CONFIG_DIR)"], cwd=tmp_path, env=env)
     assert all(line.startswith(str(site)) for line in where.split()), where
     assert sorted(p.name for p in site.iterdir() if not p.name.endswith(".dist-info")) == [
@@ -102,7 +106,8 @@ def test_installed_lp_train_trains_from_a_folder_outside_the_checkout(site, tmp_
     assert "lightning_parallel: result" in out
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert "train_loss" in metrics["metrics"]
-    sources = yaml.safe_load((tmp_path / "run" / ".hydra" / "hydra.yaml").read_text())["hydra"]["runtime"]["config_sources"]
+    hydra = yaml.safe_load((tmp_path / "run" / ".hydra" / "hydra.yaml").read_text())["hydra"]
+    sources = hydra["runtime"]["config_sources"]
     main = next(s for s in sources if s["provider"] == "main")
     assert main["path"] == str(site / "lightning_parallel" / "conf")
 
@@ -130,4 +135,5 @@ def test_users_own_configs_join_the_suites_groups(site, tmp_path, args):
     assert metrics["experiment"] == "my_study" and metrics["strategy"] == chosen.get("strategy", "ddp")
     assert "val_loss" in metrics["metrics"] and "train_loss" in metrics["metrics"]
     effective = yaml.safe_load((project / "run" / ".hydra" / "effective.yaml").read_text())
-    assert effective["model"]["_target_"] == "my_model.Regressor" and effective["data"]["_target_"] == "my_model.SumData"
+    assert effective["model"]["_target_"] == "my_model.Regressor"
+    assert effective["data"]["_target_"] == "my_model.SumData"

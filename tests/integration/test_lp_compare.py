@@ -15,13 +15,15 @@ TINY = ["experiment=nlp_gpt", "model=gpt_tiny", "data.seq_len=16", "data.max_byt
 
 def _compare(args, tmp_path, timeout=600):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-m", "lightning_parallel.cli.compare", *args, f"hydra.run.dir={tmp_path}/run"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    command = [sys.executable, "-m", "lightning_parallel.cli.compare", *args, f"hydra.run.dir={tmp_path}/run"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     return result.returncode, result.stdout + result.stderr
 
 
 def test_gpt_recipe_matches_one_process_under_pipeline_tensor_and_hybrid(tmp_path):
-    code, out = _compare([*TINY, "compare.layouts=[single:1,pipeline:2,tensor:2,hybrid:4]", "compare.steps=10"], tmp_path)
+    code, out = _compare(
+        [*TINY, "compare.layouts=[single:1,pipeline:2,tensor:2,hybrid:4]", "compare.steps=10"], tmp_path
+    )
     assert code == 0, out[-6000:]
     assert "lp-compare: all 4 layouts agree within 1e-05" in out
     for layout in ("pipeline:2", "tensor:2", "hybrid:4"):

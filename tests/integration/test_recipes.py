@@ -92,7 +92,9 @@ def test_dlrm_under_pipeline_is_refused_with_the_reason(two_processes):
         assert "pipeline_layers" in message
 
 
-@pytest.mark.parametrize(("name", "tensor_size", "fixture"), [("dlrm/tensor", 2, "two_processes"), ("dlrm/tensor4", 4, "four_processes")])
+@pytest.mark.parametrize(
+    ("name", "tensor_size", "fixture"), [("dlrm/tensor", 2, "two_processes"), ("dlrm/tensor4", 4, "four_processes")]
+)
 def test_embedding_tables_are_sharded_one_tensor_rank_each(request, name, tensor_size, fixture):
     for results in request.getfixturevalue(fixture):
         local, full = results[name]["embedding_bytes"]

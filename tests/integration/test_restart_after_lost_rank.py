@@ -32,7 +32,8 @@ def _torchrun(run_dir: Path, extra: list[str]) -> subprocess.CompletedProcess:
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         "-m", "lightning_parallel.cli.train", *RUN, *extra,
-        "+callbacks.record._target_=lightning_parallel.testing.BatchHistory", f"+callbacks.record.folder={run_dir / 'batches'}",
+        "+callbacks.record._target_=lightning_parallel.testing.BatchHistory",
+        f"+callbacks.record.folder={run_dir / 'batches'}",
         f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     # pytorch#135712: torchrun's c10d rendezvous shares its TCPStore with the workers' process
@@ -50,7 +51,8 @@ def _batches(run_dir: Path, rank: int) -> list[dict]:
 def test_killed_rank_restarts_from_mid_epoch_checkpoint_with_same_data_and_losses(tmp_path):
     clean = _torchrun(tmp_path / "clean", [])
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
-    fault = ["+callbacks.fault._target_=tests.integration.faults.KillRankAtStep", "+callbacks.fault.rank=1", f"+callbacks.fault.step={KILL_STEP}"]
+    fault = ["+callbacks.fault._target_=tests.integration.faults.KillRankAtStep", "+callbacks.fault.rank=1",
+             f"+callbacks.fault.step={KILL_STEP}"]
     faulty = _torchrun(tmp_path / "faulty", fault)
     log = faulty.stdout + faulty.stderr
     assert faulty.returncode == 0, log[-5000:]

@@ -95,7 +95,8 @@ def test_ckpt_path_last_without_a_checkpoint_fails_and_resume_continues_in_the_s
     # A 4-step run (interval 3 in cpu_test) validates, reports its checkpoint and logs to train.log.
     assert "every 2 batches" in out and "fresh start" in out
     assert re.search(r"val_loss\s+│\s+\d", out) and "checkpoint (last)" in out
-    assert (run / "checkpoints" / "last.ckpt").is_file() and "val_loss" in json.loads((run / "metrics.json").read_text())["metrics"]
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert "val_loss" in json.loads((run / "metrics.json").read_text())["metrics"]
     assert "Trainer.fit` stopped" in (run / "train.log").read_text()
 
     fresh = _lp_train([*args, "ckpt_path=last"], tmp_path, timeout=120)
@@ -107,7 +108,8 @@ def test_ckpt_path_last_without_a_checkpoint_fails_and_resume_continues_in_the_s
     assert "resumed from step 4 of " in out  # the path follows (the table may fold it)
     assert len(_run_folders(tmp_path)) == 1 and "step8" in " ".join(p.name for p in (run / "checkpoints").iterdir())
     # One TensorBoard run, steps continuous, the same losses as the uninterrupted run.
-    resumed, uninterrupted = _scalars(run / "tensorboard", "train_loss"), _scalars(tmp_path / "reference" / "tensorboard", "train_loss")
+    resumed = _scalars(run / "tensorboard", "train_loss")
+    uninterrupted = _scalars(tmp_path / "reference" / "tensorboard", "train_loss")
     assert sorted(resumed) == sorted(uninterrupted) and len(resumed) == 8, (sorted(resumed), sorted(uninterrupted))
     assert max(abs(resumed[s] - uninterrupted[s]) for s in resumed) < 1e-5
 
@@ -133,7 +135,8 @@ def test_sigint_stops_every_rank_of_a_pipeline_run_within_seconds_with_a_checkpo
             assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()[-3000:]
             time.sleep(0.5)
         time.sleep(3)  # a few steps
-        ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()]
+        children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout
+        ranks = [int(p) for p in children.split()]
         assert len(ranks) == 1
         sent = time.monotonic()
         launcher.send_signal(signal.SIGINT)
@@ -165,7 +168,10 @@ def test_sigint_stops_every_rank_of_a_pipeline_run_within_seconds_with_a_checkpo
                                                    f"trainer.max_steps={end}", "hydra.run.dir=reference"], tmp_path)
         assert f"resumed from step {saved[2]} of " in _ok(resumed.result())
         _ok(uninterrupted.result())
-    final = [json.loads((folder / "metrics.json").read_text())["metrics"]["train_loss"] for folder in (run, tmp_path / "reference")]
+    final = [
+        json.loads((folder / "metrics.json").read_text())["metrics"]["train_loss"]
+        for folder in (run, tmp_path / "reference")
+    ]
     print(f"train_loss at step {end}: resumed after SIGINT {final[0]:.7f}, uninterrupted {final[1]:.7f}")
     assert abs(final[0] - final[1]) < 1e-5, final
 

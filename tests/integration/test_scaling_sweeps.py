@@ -75,7 +75,8 @@ def test_slurm_launcher_takes_nodes_and_tasks_from_the_trainer(launcher, gpus):
 def test_sweep_summary_collects_job_folders_and_marks_missing_ones(tmp_path, capsys):
     def job(name, strategy, layout, val_loss):
         (tmp_path / name / ".hydra").mkdir(parents=True)
-        effective = {"rule": "fixed_global_batch", "micro_batch_size": 4, "accumulate_grad_batches": 4 if "dp2" in layout else 8,
+        effective = {"rule": "fixed_global_batch", "micro_batch_size": 4,
+                     "accumulate_grad_batches": 4 if "dp2" in layout else 8,
                      "global_batch_size": 32, "lr": 3e-3, "warmup_steps": 30, "data_parallel": 2}
         metrics = {"val_loss": val_loss, "train_loss": 5.0, "throughput/samples_per_sec": 500.0}
         data = {"strategy": strategy, "devices": 2, "num_nodes": 1, "world_size": 2, "layout": layout,
@@ -110,7 +111,8 @@ def _train(args, cwd, timeout=600):
 def test_sweep_over_strategies_finishes_with_its_summary(tmp_path):
     # The command: every strategy on 2 devices, each job in its own folder, then the table.
     out = _train(["-m", *TINY, "strategy=ddp,deepspeed_zero2,pipeline,tensor", "trainer.devices=2",
-                  "scaling=fixed_global_batch", "logger=none", "callbacks=none", f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path)
+                  "scaling=fixed_global_batch", "logger=none", "callbacks=none", f"hydra.sweep.dir={tmp_path}/sweep"],
+                 tmp_path)
     with open(tmp_path / "sweep" / SUMMARY_FILE) as handle:
         rows = list(csv.DictReader(handle))
     assert [r["strategy"] for r in rows] == ["ddp", "deepspeed_zero2", "pipeline", "tensor"], out[-3000:]

@@ -43,7 +43,9 @@ def test_single_run_prints_tables_and_writes_logs_and_checkpoint(tmp_path):
 
 
 def test_multirun_over_device_counts_runs_each_job_in_its_own_folder(tmp_path):
-    out = _run(["-m", *TINY, "strategy=ddp", "trainer.devices=1,2", f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path, timeout=600)
+    out = _run(
+        ["-m", *TINY, "strategy=ddp", "trainer.devices=1,2", f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path, timeout=600
+    )
     jobs = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir())
     assert len(jobs) == 2, out[-3000:]
     for job in jobs:

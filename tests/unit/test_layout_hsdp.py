@@ -9,7 +9,12 @@ from lightning_parallel.parallel.options import ParallelOptions
 
 @pytest.mark.parametrize(
     ("split", "expected"),
-    [({}, (1, 4)), ({"data_shard": 2}, (2, 2)), ({"data_replicate": 4}, (4, 1)), ({"data_replicate": 2, "data_shard": 2}, (2, 2))],
+    [
+        ({}, (1, 4)),
+        ({"data_shard": 2}, (2, 2)),
+        ({"data_replicate": 4}, (4, 1)),
+        ({"data_replicate": 2, "data_shard": 2}, (2, 2)),
+    ],
 )
 def test_resolve_splits_the_data_axis_into_replicas_times_shards(split, expected):
     layout = ParallelLayout.resolve(8, pipeline_parallel=2, **split)
@@ -21,7 +26,10 @@ def test_resolve_splits_the_data_axis_into_replicas_times_shards(split, expected
 @pytest.mark.parametrize(
     ("split", "fix"),
     [
-        ({"data_shard": 3}, r"data_shard=3 does not divide the data axis data_parallel=4.*data_replicate x data_shard = 4"),
+        (
+            {"data_shard": 3},
+            r"data_shard=3 does not divide the data axis data_parallel=4.*data_replicate x data_shard = 4",
+        ),
         ({"data_replicate": 2, "data_shard": 4}, r"= 8, but the data axis is data_parallel=4.*product is 4"),
         ({"data_replicate": 0}, "must be >= 1"),
     ],
@@ -76,8 +84,11 @@ def test_hsdp_sizes_with_replicated_data_parallelism_are_refused():
 
 @pytest.mark.parametrize(
     ("hook", "message"),
-    [("powersgd", r"PowerSGD needs DDP's reducer.*FSDP2.*no communication hooks"), ("fp16", "overflow without loss scaling"),
-     ("int8", "Unknown comm_hook")],
+    [
+        ("powersgd", r"PowerSGD needs DDP's reducer.*FSDP2.*no communication hooks"),
+        ("fp16", "overflow without loss scaling"),
+        ("int8", "Unknown comm_hook"),
+    ],
 )
 def test_comm_hooks_without_an_fsdp2_form_are_refused_with_the_reason(hook, message):
     with pytest.raises(ValueError, match=message):

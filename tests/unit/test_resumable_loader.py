@@ -28,7 +28,8 @@ def test_ranks_partition_each_epoch_and_the_order_changes_between_epochs():
     assert served == list(range(40))  # every sample once across the two ranks
     assert [len(b) for b in epoch0] == [5, 5]
     assert _epoch(loaders[0], 1) != epoch0[0]
-    assert _epoch(resumable_loader(DATA, 4, trainer=_trainer(0, 2), seed=3), 0) == epoch0[0]  # a pure function of the seed
+    # a pure function of the seed
+    assert _epoch(resumable_loader(DATA, 4, trainer=_trainer(0, 2), seed=3), 0) == epoch0[0]
 
 
 def test_without_a_trainer_the_whole_dataset_is_served_in_order_when_not_shuffled():

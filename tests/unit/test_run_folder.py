@@ -76,7 +76,8 @@ def test_rank_configuration_is_checked_against_its_run_id_and_hash(tmp_path):
 
 def test_resume_lookup_lists_recent_runs_with_their_step_and_command(tmp_path):
     root = tmp_path / "outputs"
-    for name, step in (("10-00-00.000_ddp_aaaaaa", 7), ("11-00-00.000_ddp_bbbbbb", None), ("12-00-00.000_tensor_cccccc", 3)):
+    runs = (("10-00-00.000_ddp_aaaaaa", 7), ("11-00-00.000_ddp_bbbbbb", None), ("12-00-00.000_tensor_cccccc", 3))
+    for name, step in runs:
         run = root / "2026-01-01" / name
         claim(run, name[-6:], False, {"strategy": name.split("_")[1], "experiment": None})
         if step is not None:
@@ -103,7 +104,8 @@ def test_resume_replays_the_original_overrides_and_the_new_ones_win(tmp_path):
 
 
 @pytest.mark.parametrize(("max_steps", "accumulate", "interval", "expected"),
-                         [(10, 1, 100, 10), (400, 1, 100, None), (6, 1, 3, None), (4, 1, 3, 2), (5, 2, 100, 10), (7, 1, 3, None), (10, 1, 4, 2), (12, 1, 5, 4)])
+                         [(10, 1, 100, 10), (400, 1, 100, None), (6, 1, 3, None), (4, 1, 3, 2), (5, 2, 100, 10),
+                          (7, 1, 3, None), (10, 1, 4, 2), (12, 1, 5, 4)])
 def test_validation_runs_at_least_once_and_on_the_last_step(max_steps, accumulate, interval, expected):
     cfg = OmegaConf.create({"trainer": {"max_steps": max_steps, "accumulate_grad_batches": accumulate,
                                         "val_check_interval": interval, "check_val_every_n_epoch": 1}})
@@ -117,7 +119,9 @@ def test_validation_runs_at_least_once_and_on_the_last_step(max_steps, accumulat
 
 def test_unknown_trainer_keys_get_did_you_mean():
     assert unknown_trainer_key("max_steps") is None
-    assert unknown_trainer_key("max_step", "5").startswith("trainer.max_step is not a Trainer argument: did you mean trainer.max_steps=5?")
+    assert unknown_trainer_key("max_step", "5").startswith(
+        "trainer.max_step is not a Trainer argument: did you mean trainer.max_steps=5?"
+    )
     with pytest.raises(ConfigError, match="did you mean trainer.accelerator=cpu"):
         check_trainer_overrides(["model=gpt_tiny", "+trainer.acelerator=cpu"])
     check_trainer_overrides(["trainer.devices=2", "trainer=cpu_test", "strategy.trainer=1"])

@@ -41,7 +41,9 @@ def test_fixed_global_batch_with_a_micro_batch_that_cannot_divide_names_the_fix(
 
 
 def test_none_keeps_configured_values_and_counts_only_data_parallel():
-    eff = rescale("none", Reference(), data_parallel=2, micro_batch_size=16, accumulate_grad_batches=2, lr=3e-3, warmup_steps=7)
+    eff = rescale(
+        "none", Reference(), data_parallel=2, micro_batch_size=16, accumulate_grad_batches=2, lr=3e-3, warmup_steps=7
+    )
     assert (eff.global_batch_size, eff.lr, eff.warmup_steps) == (64, 3e-3, 7)
 
 
@@ -114,5 +116,7 @@ def test_readme_worked_example(row):
     dp, pp, tp = (int(part.strip()[2:]) for part in layout_text.split("x"))
     layout = ParallelLayout.resolve(int(devices), data_parallel=dp, pipeline_parallel=pp, tensor_parallel=tp)
     eff = rescale_for_layout(rule, REF, layout, micro_batch_size=int(micro))
-    assert (eff.accumulate_grad_batches, eff.global_batch_size, eff.warmup_steps) == (int(acc), int(global_batch), int(warmup))
+    assert (eff.accumulate_grad_batches, eff.global_batch_size, eff.warmup_steps) == (
+        int(acc), int(global_batch), int(warmup)
+    )
     assert math.isclose(eff.lr, float(lr), rel_tol=1e-9)

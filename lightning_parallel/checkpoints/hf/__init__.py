@@ -1,3 +1,3 @@
 """Hugging Face ``save_pretrained`` folders: loaded into a parallelised module slice by slice (:mod:`.load`),
-written from a checkpoint (:mod:`.export`), and the metadata the strategies save to make that possible
-(:mod:`.metadata`)."""
+and written from a checkpoint (:mod:`.export`) using the ``hugging_face`` entry the model adapter saves
+beside Lightning's state (``ModelAdapter.checkpoint_metadata``)."""

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-HF_KEY = "hugging_face"
+from lightning_parallel.adapters.hugging_face import HF_KEY
 
 
 def _config_from(entry_config: Any) -> Any:
@@ -87,16 +87,21 @@ def find_prefix(weights: dict[str, torch.Tensor], expected: set[str]) -> str:
     Raises:
         ValueError: no prefix makes every expected key present.
     """
-    candidates = {""} | {key[: len(key) - len(name)] for key in weights for name in expected if key.endswith("." + name)}
+    candidates = {""} | {
+        key[: len(key) - len(name)] for key in weights for name in expected if key.endswith("." + name)
+    }
     best = max(sorted(candidates), key=lambda p: len(expected & _stripped(weights, p)[0].keys()))
     missing = sorted(expected - _stripped(weights, best)[0].keys())
     if missing:
         raise ValueError(f"No attribute prefix makes the checkpoint's weights match the Hugging Face model: "
-                         f"under {best!r}, {len(missing)} keys are missing ({missing[:3]}). Is --hf-config the right model?")
+                         f"under {best!r}, {len(missing)} keys are missing ({missing[:3]}). "
+                         "Is --hf-config the right model?")
     return best
 
 
-def _build(weights: dict[str, torch.Tensor], config: Any, model_class: Any, prefix: Optional[str]) -> tuple[Any, list[str]]:
+def _build(
+    weights: dict[str, torch.Tensor], config: Any, model_class: Any, prefix: Optional[str]
+) -> tuple[Any, list[str]]:
     """The Hugging Face model holding ``weights`` (assigned, not copied), tied weights tied; and the keys left out."""
     with torch.device("meta"):
         model = model_class.from_config(config) if hasattr(model_class, "from_config") else model_class(config)
@@ -112,8 +117,8 @@ def _build(weights: dict[str, torch.Tensor], config: Any, model_class: Any, pref
     unexpected = sorted(state.keys() - expected)
     missing = sorted(expected - state.keys())
     if unexpected or missing:
-        raise ValueError(f"The weights under prefix {prefix!r} do not fit {type(model).__name__}: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}.")
+        raise ValueError(f"The weights under prefix {prefix!r} do not fit {type(model).__name__}: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}.")
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     return model, outside

@@ -1,4 +1,6 @@
-"""A local Hugging Face ``save_pretrained`` folder loaded onto an already parallelised module, each rank reading its slices.
+"""A local Hugging Face ``save_pretrained`` folder loaded onto an already parallelised module.
+
+Each rank reads its own slices.
 
 :func:`load_hf_weights` fills the module's parameters and persistent buffers in place from
 ``model.safetensors`` (or the shards an index file names), under the module's own names with
@@ -76,7 +78,8 @@ def _targets(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
     for name, param in module.named_parameters():
         if hasattr(param, "ds_id"):
             raise ValueError(f"{name!r} is partitioned by DeepSpeed ZeRO-3: load the folder with from_pretrained in "
-                             "configure_model (or before fit) under DeepSpeed; HuggingFaceWeights serves the suite's layouts.")
+                             "configure_model (or before fit) under DeepSpeed; "
+                             "HuggingFaceWeights serves the suite's layouts.")
     state = module.state_dict(keep_vars=True)
     return {name[len(prefix):]: tensor for name, tensor in state.items() if name.startswith(prefix)}
 

@@ -112,7 +112,8 @@ def name_positions(
     if [len(names) for names in group_names] != sizes:
         raise ValueError(
             f"Param-group mismatch: the checkpoint's optimizer has groups of {sizes} parameters, configure_optimizers "
-            f"now builds groups of {[len(n) for n in group_names]}: the optimizer state cannot be matched to parameters. "
+            f"now builds groups of {[len(n) for n in group_names]}: "
+            "the optimizer state cannot be matched to parameters. "
             "Pass load_optimizer_state=False to the strategy to load the weights and start the optimizer afresh."
         )
     state, named_groups = {}, []

@@ -142,7 +142,11 @@ def _read_entries(checkpoint: Path, prefix: str) -> dict[str, Any]:
 
     metadata = SafeFileSystemReader(checkpoint).read_metadata().state_dict_metadata
     state = {
-        key: torch.empty(tuple(item.size), dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
+        key: (
+            torch.empty(tuple(item.size), dtype=item.properties.dtype)
+            if isinstance(item, TensorStorageMetadata)
+            else None
+        )
         for key, item in metadata.items() if key.startswith(prefix)
     }
     with single_process():

@@ -97,7 +97,10 @@ class PipelineRunner:
         cls = getattr(schedules, SCHEDULES[schedule][0])
         single = SCHEDULES[schedule][1] == "one"
         self.schedule = cls(
-            self.stages[0] if single else self.stages, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False
+            self.stages[0] if single else self.stages,
+            n_microbatches=microbatches,
+            loss_fn=self._loss,
+            scale_grads=False,
         )
         self._batch_size: Optional[int] = None
         self._divisor: Optional[Tensor] = None  # items each rank divides its loss sum by (terms only)
@@ -193,7 +196,10 @@ class PipelineRunner:
     def eval_step(
         self, inputs: Any, targets: Any, num_items: Optional[Tensor] = None
     ) -> tuple[Optional[Tensor], Optional[Any]]:
-        """Forward only. Returns (loss as :meth:`train_step` does, or None without targets; last-stage outputs or None)."""
+        """Forward only.
+
+        Returns (loss as :meth:`train_step` does, or None without targets; last-stage outputs or None).
+        """
         args, kwargs, sample = self._prepare(inputs, targets, num_items)
         self.loss_scale = 1.0
         losses: list[Tensor] = []

@@ -41,7 +41,8 @@ def validate_schedule(schedule: str, pipeline_parallel: int, stages_per_rank: in
         raise ValueError(f"Unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}.")
     if schedule not in available_schedules():
         raise ValueError(
-            f"schedule={schedule!r} needs a newer torch ({torch.__version__} lacks it): use one of {available_schedules()}."
+            f"schedule={schedule!r} needs a newer torch ({torch.__version__} lacks it): "
+            f"use one of {available_schedules()}."
         )
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches={microbatches!r} must be a positive integer.")

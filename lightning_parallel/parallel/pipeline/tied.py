@@ -135,7 +135,8 @@ def sum_tied_gradients(
             param.grad = torch.zeros_like(param)
         grad = _local(param.grad)
         # Exchanged and summed in fp32 whatever the gradient's dtype (bf16 under bf16-true).
-        delta = upcast_for_reduction(grad) - upcast_for_reduction(old) if old is not None else upcast_for_reduction(grad).clone()
+        delta = (upcast_for_reduction(grad) - upcast_for_reduction(old) if old is not None
+                 else upcast_for_reduction(grad).clone())
         parts = []
         for holder in entry.ranks:
             if holder == entry.rank:

@@ -8,9 +8,11 @@ checks the sizes (and tied weights) before any process group exists, and
 :func:`apply_tensor_parallel` calls ``parallelize_module`` on the submodules a
 (pipeline-stage) module actually holds and keeps tied weights one parameter.
 
-Where the plan comes from, first match wins: the module's own ``tensor_parallel_plan()``;
-else the plan of a Hugging Face model it holds (:mod:`lightning_parallel.adapters.hf_tensor`,
-re-rooted under the model's attribute path); the strategy's ``plan=`` overrides either.
+Where the plan comes from is the model adapter's answer
+(:meth:`~lightning_parallel.parallel.adapter.ModelAdapter.tensor_plan`: the module's own
+``tensor_parallel_plan()``, or the plan of a Hugging Face model it holds, re-rooted under the
+model's attribute path); the strategy's ``plan=`` overrides it. Every function here takes that
+adapter as ``adapter=`` (default: ``ModelAdapter.resolve(module)``).
 
 Note:
     Under sequence parallelism the residual stream between blocks is a *local* tensor
@@ -35,14 +37,8 @@ from typing import TYPE_CHECKING, ContextManager, Optional, Union
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from lightning_parallel.adapters.hf import find_hf_model
-from lightning_parallel.adapters.hf_tensor import (
-    RefusedStyle,
-    hf_head_dimensions,
-    hf_tensor_plan,
-    hf_untied_embeddings,
-    suite_style,
-)
+from lightning_parallel.parallel.adapter import ModelAdapter
+from lightning_parallel.parallel.tensor.aliases import RefusedStyle, suite_style
 from lightning_parallel.parallel.tensor.styles import STYLE_NAMES, to_style
 from lightning_parallel.parallel.tensor.ties import check_ties, restore_ties, tie_groups
 
@@ -97,24 +93,11 @@ def _expand(module: nn.Module, plan: Mapping[str, PlanValue], source: str) -> di
     return out
 
 
-def _base_plan(module: nn.Module, sequence_parallel: bool) -> tuple[str, dict[str, PlanValue]]:
-    """``(source, plan)``: the module's ``tensor_parallel_plan()``, else its Hugging Face model's plan."""
-    own = getattr(module, "tensor_parallel_plan", None)
-    if callable(own):
-        return "tensor_parallel_plan()", dict(own())
-    found = hf_tensor_plan(module, sequence_parallel=sequence_parallel)
-    if found is None:
-        return "tensor_parallel_plan()", {}
-    source, plan = found
-    # transformers' "replicate" means what an unplanned module does.
-    return source[0].upper() + source[1:], {key: value for key, value in plan.items() if value is not None}
-
-
 def _merge(
-    module: nn.Module, overrides: Optional[Mapping[str, PlanValue]], sequence_parallel: bool
+    module: nn.Module, overrides: Optional[Mapping[str, PlanValue]], sequence_parallel: bool, adapter: ModelAdapter
 ) -> dict[str, tuple[str, PlanValue]]:
-    """The base plan expanded, then the overrides' names replacing or removing (``None``) its entries."""
-    source, base = _base_plan(module, sequence_parallel)
+    """The adapter's plan expanded, then the overrides' names replacing or removing (``None``) its entries."""
+    source, base = adapter.tensor_plan(sequence_parallel)
     merged = _expand(module, base, source)
     if overrides:
         translated = {pattern: suite_style(value) for pattern, value in overrides.items()}
@@ -132,6 +115,7 @@ def resolve_plan(
     *,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
+    adapter: Optional[ModelAdapter] = None,
 ) -> dict[str, ParallelStyle]:
     """Resolve ``module``'s tensor-parallel plan to concrete submodule names and styles.
 
@@ -148,6 +132,7 @@ def resolve_plan(
         sequence_parallel: shard norms and the residual stream along the sequence (dim 1).
         loss_parallel: keep the LM head's logits vocabulary-sharded for
             :func:`loss_parallel_context`'s cross-entropy.
+        adapter: answers where the base plan comes from (default: ``ModelAdapter.resolve(module)``).
 
     Returns:
         ``{concrete name: ParallelStyle}`` in the order of ``module.named_modules()``.
@@ -158,7 +143,7 @@ def resolve_plan(
             does not fit the submodule's type, or two patterns of one source give one
             submodule different styles.
     """
-    merged = _merge(module, overrides, sequence_parallel)
+    merged = _merge(module, overrides, sequence_parallel, adapter or ModelAdapter.resolve(module))
     plan: dict[str, ParallelStyle] = {}
     for name, submodule in module.named_modules():
         if name in merged:
@@ -215,7 +200,12 @@ def _sharded_dimensions(module: nn.Module, plan: Mapping[str, ParallelStyle]) ->
 
 
 def validate_tensor_parallel(
-    module: nn.Module, plan: Mapping[str, ParallelStyle], tensor_parallel_size: int, *, require_sharding: bool = True
+    module: nn.Module,
+    plan: Mapping[str, ParallelStyle],
+    tensor_parallel_size: int,
+    *,
+    require_sharding: bool = True,
+    adapter: Optional[ModelAdapter] = None,
 ) -> None:
     """Check that ``plan`` shards something, divides by ``tensor_parallel_size`` and keeps ties.
 
@@ -229,6 +219,8 @@ def validate_tensor_parallel(
         tensor_parallel_size: ranks per tensor-parallel group.
         require_sharding: refuse a plan that shards no parameter when the size is above 1
             (off for a pipeline stage, which may hold none of the planned layers).
+        adapter: adds dimensions the layers do not show (a config's head counts) and the
+            hint for a model that brought no plan (default: ``ModelAdapter.resolve(module)``).
 
     Raises:
         ValueError: a plan that shards nothing (every rank would train the whole model),
@@ -237,9 +229,10 @@ def validate_tensor_parallel(
     """
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} must be a positive integer.")
+    adapter = adapter or ModelAdapter.resolve(module)
     if require_sharding and tensor_parallel_size > 1 and not any(_shards_parameters(s) for s in plan.values()):
-        raise _nothing_to_shard(module, tensor_parallel_size, bool(plan))
-    dims = _sharded_dimensions(module, plan) + hf_head_dimensions(module, dict(plan))
+        raise _nothing_to_shard(module, tensor_parallel_size, bool(plan), adapter.missing_plan_hint())
+    dims = _sharded_dimensions(module, plan) + adapter.head_dimensions(plan)
     bad = [(desc, size) for desc, size in dims if size % tensor_parallel_size]
     if bad:
         raise _indivisible(dims, bad, tensor_parallel_size)
@@ -264,10 +257,7 @@ def _shards_parameters(style: ParallelStyle) -> bool:
     return not isinstance(style, moves_activations)
 
 
-def _nothing_to_shard(module: nn.Module, tensor_parallel_size: int, has_entries: bool) -> ValueError:
-    found = find_hf_model(module)
-    held = (f"; it holds the Hugging Face {type(found[1]).__name__}, whose config has no base_model_tp_plan"
-            if found is not None else "")
+def _nothing_to_shard(module: nn.Module, tensor_parallel_size: int, has_entries: bool, held: str) -> ValueError:
     what = "only moves activations" if has_entries else "is empty"
     return ValueError(
         f"tensor_parallel_size={tensor_parallel_size}, but the tensor-parallel plan of {type(module).__name__} {what}: "
@@ -298,7 +288,9 @@ def _indivisible(dims: list[tuple[str, int]], bad: list[tuple[str, int]], tensor
     )
 
 
-def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> nn.Module:
+def apply_tensor_parallel(
+    module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle], adapter: Optional[ModelAdapter] = None
+) -> nn.Module:
     """Shard ``module`` in place over ``tp_mesh`` with ``parallelize_module``.
 
     Args:
@@ -307,6 +299,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[
             on another stage).
         tp_mesh: the one-dimensional tensor-parallel mesh (``mesh["tensor_parallel"]``).
         plan: the output of :func:`resolve_plan` for the full model.
+        adapter: the model's adapter (head counts, tied-embedding promise); default ``ModelAdapter.resolve(module)``.
 
     Returns:
         ``module`` (planned submodules hold DTensor parameters, a tied weight stays one
@@ -324,7 +317,8 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[
     if tp_mesh.size() == 1:
         return module
     present = {name: style for name, style in plan.items() if _holds(module, name)}
-    validate_tensor_parallel(module, present, tp_mesh.size(), require_sharding=False)
+    adapter = adapter or ModelAdapter.resolve(module)
+    validate_tensor_parallel(module, present, tp_mesh.size(), require_sharding=False, adapter=adapter)
     ties = tie_groups(module)
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -335,7 +329,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[
         parallelize_module(submodule, tp_mesh, style)
         _settle_gradients(submodule)
     restore_ties(module, ties)
-    untied = hf_untied_embeddings(module)
+    untied = adapter.untied_embeddings()
     if untied is not None:
         raise ValueError(
             f"{untied} after tensor parallelism: they would train apart. Tie them before parallelising "

@@ -117,7 +117,8 @@ class PrepareFirstInput(ParallelStyle):
         return module
 
     def __repr__(self) -> str:
-        return f"PrepareFirstInput({self.input_layouts[0]} -> {self.desired_input_layouts[0]}, local={self.use_local_output})"
+        return (f"PrepareFirstInput({self.input_layouts[0]} -> {self.desired_input_layouts[0]}, "
+                f"local={self.use_local_output})")
 
 
 class SumGradients(ParallelStyle):
@@ -213,7 +214,9 @@ def _scatter_input(sp: bool, lp: bool) -> Optional[ParallelStyle]:
 def _scatter_output(sp: bool, lp: bool) -> Optional[ParallelStyle]:
     if not sp:
         return None
-    return PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Shard(SEQ),), use_local_output=True)
+    return PrepareModuleOutput(
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(SEQ),), use_local_output=True
+    )
 
 
 def _sum_gradients(sp: bool, lp: bool) -> ParallelStyle:

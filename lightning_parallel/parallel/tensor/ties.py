@@ -76,13 +76,15 @@ def check_ties(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> None:
             placements[name] = weight_placement(plan.get(owner), module.get_submodule(owner))
         known = {p for p in placements.values() if p != "unknown"}
         if len(known) > 1:
-            shown = "; ".join(f"{name}: {placements[name]} (plan {_owner(name)!r}: {_style_name(plan.get(_owner(name)))})"
-                              for name in names)
+            shown = "; ".join(
+                f"{name}: {placements[name]} (plan {_owner(name)!r}: {_style_name(plan.get(_owner(name)))})"
+                for name in names
+            )
             raise ValueError(
                 f"{' and '.join(names)} are one tied parameter, but the tensor-parallel plan places it differently "
                 f"under its names ({shown}); sharding would untie them and they would train apart. Fix: give both "
-                "owners styles that shard the same dimension (a vocabulary-sharded embedding 'embedding_rowwise' with a "
-                "column-sharded head 'colwise_gather'), or leave both out of the plan."
+                "owners styles that shard the same dimension (a vocabulary-sharded embedding 'embedding_rowwise' "
+                "with a column-sharded head 'colwise_gather'), or leave both out of the plan."
             )
 
 

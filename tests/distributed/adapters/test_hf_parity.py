@@ -130,7 +130,7 @@ def test_two_process_layouts_match_one_process():
         Layout(partial(Pipeline, pipeline_parallel_size=2, microbatches=4, schedule="1f1b"), 2, "pp2/1f1b"),
         Layout(partial(Pipeline, pipeline_parallel_size=2, microbatches=4, schedule="interleaved_1f1b",
                        stages_per_rank=2), 2, "pp2/interleaved"),
-        Layout(partial(DeepSpeed, stage=3), 2, "deepspeed_zero3"),
+        Layout(partial(DeepSpeed, zero_stage=3), 2, "deepspeed_zero3"),
     ]
     control = Layout("ddp", 2, "ddp2 (Lightning's own: per-rank means)")
     results = compare_cases(cases(), [*layouts, control], STEPS, TOLERANCE, timeout=900)

@@ -40,7 +40,9 @@ CASES = {
     "qwen2-tied/tp2": ("qwen2", {"tie_word_embeddings": True}, {}),
     "gemma2-tied/tp2+sp": ("gemma2", {"tie_word_embeddings": True}, {"sequence_parallel": True}),
     "qwen3/tp2": ("qwen3", {"tie_word_embeddings": False}, {}),  # per-head q/k norms: gradients summed over ranks
-    "mistral/tp2+sp+lp": ("mistral", {"tie_word_embeddings": False}, {"sequence_parallel": True, "loss_parallel": True}),
+    "mistral/tp2+sp+lp": (
+        "mistral", {"tie_word_embeddings": False}, {"sequence_parallel": True, "loss_parallel": True}
+    ),
 }
 
 

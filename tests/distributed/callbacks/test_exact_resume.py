@@ -55,8 +55,10 @@ def _resume_cases(rank, world_size, root, with_fix):
     root = Path(root)
     fix = [ExactDataResume()] if with_fix else []
     checkpoints = [
-        ModelCheckpoint(dirpath=root, filename="step{step}", auto_insert_metric_name=False, every_n_train_steps=1, save_top_k=-1),
-        ModelCheckpoint(dirpath=root, filename="val{step}", auto_insert_metric_name=False, monitor=None, save_top_k=-1, save_on_train_epoch_end=False),
+        ModelCheckpoint(dirpath=root, filename="step{step}", auto_insert_metric_name=False, every_n_train_steps=1,
+                        save_top_k=-1),
+        ModelCheckpoint(dirpath=root, filename="val{step}", auto_insert_metric_name=False, monitor=None, save_top_k=-1,
+                        save_on_train_epoch_end=False),
     ]
     _, full, full_record = _fit(root, [*checkpoints, *fix])
     stopped, _, _ = _fit(root, fix, max_steps=2 * BATCHES_PER_EPOCH)  # stops at the end of epoch 1

@@ -17,7 +17,8 @@ def _fit_with_nan(rank, world_size, strategy, action):
     data = regression_dataset(64, 32)
     data.tensors[0][2 * 16 + 9, 3] = float("nan")  # one sample of batch 2, in rank 1's data-parallel shard
     guard = NonFiniteGuard(action)
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy if strategy == "ddp" else PipelineParallelStrategy(),
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size,
+                         strategy=strategy if strategy == "ddp" else PipelineParallelStrategy(),
                          max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False, callbacks=[guard])
     model = ResidualMLP()

@@ -29,7 +29,9 @@ def _resume_all(rank, world_size, root, strategy, reference):
     return out
 
 
-def test_suite_checkpoints_converted_to_lightning_resume_under_auto_and_ddp_exactly(hybrid_checkpoints, tmp_path, capsys):
+def test_suite_checkpoints_converted_to_lightning_resume_under_auto_and_ddp_exactly(
+    hybrid_checkpoints, tmp_path, capsys
+):
     for name in CONVERTED:
         start = time.perf_counter()
         converted = str(tmp_path / f"{name}.lightning.ckpt")

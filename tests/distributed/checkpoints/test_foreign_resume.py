@@ -77,11 +77,14 @@ def _two_process_sources(rank, world_size, root):
 
     _fit(2, "ddp", 1, callbacks=[_saver(root, "ddp")])
     for stage in (2, 3):
-        _fit(2, DeepSpeedDataParallelStrategy(stage=stage), 1, callbacks=[_saver(root, f"zero{stage}")])
+        _fit(2, DeepSpeedDataParallelStrategy(zero_stage=stage), 1, callbacks=[_saver(root, f"zero{stage}")])
 
 
 def _resume_all(rank, world_size, root, names, dropped=(), refused=None):
-    """Resume every source of the targets ``names``; with the optimizer state dropped for ``dropped``; ``refused``: the messages."""
+    """Resume every source of the targets ``names``.
+
+    The optimizer state is dropped for ``dropped``; ``refused``: the messages.
+    """
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     if world_size == 4:  # Lightning's ModelParallelStrategy dp2 x tp2 folder, for the pp2 target
@@ -117,7 +120,9 @@ def resumed(sources):
     four = [n for n, (world, _, _) in TARGETS.items() if world == 4]
     two = [n for n, (world, _, _) in TARGETS.items() if world == 2]
     results = run_processes(_resume_all, 4, str(root), four, timeout=1200)
-    results += run_processes(_resume_all, 2, str(root), two, [("tp2", "ddp")], _unreadable_checkpoints(root), timeout=900)
+    results += run_processes(
+        _resume_all, 2, str(root), two, [("tp2", "ddp")], _unreadable_checkpoints(root), timeout=900
+    )
     return results
 
 
@@ -173,8 +178,9 @@ def _unreadable_checkpoints(root: Path) -> dict[str, str]:
     shutil.copytree(root / "zero2.ckpt", bad / "no_latest.ckpt")
     shutil.rmtree(bad / "no_latest.ckpt" / "checkpoint")
     (bad / "no_latest.ckpt" / "latest").unlink()
-    return {name: str(bad / file) for name, file in
-            [("truncated", "truncated.ckpt"), ("tampered", "tampered.ckpt"), ("plain", "plain.pt"), ("no_latest", "no_latest.ckpt")]}
+    files = [("truncated", "truncated.ckpt"), ("tampered", "tampered.ckpt"), ("plain", "plain.pt"),
+             ("no_latest", "no_latest.ckpt")]
+    return {name: str(bad / file) for name, file in files}
 
 
 def test_damaged_tampered_and_unknown_checkpoints_are_refused_with_the_fix(sources, resumed):

@@ -102,7 +102,9 @@ def _loaded_under_fsdp(world_size, folder):
                          enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=0,
                          callbacks=[HuggingFaceWeights(folder), _CompareAndStop(folder)])
     try:
-        trainer.fit(_module("llama", seed=7), datamodule=PaddedTextDataModule(seq_len=SEQ_LEN, batch_size=4, max_bytes=40_000))
+        trainer.fit(
+            _module("llama", seed=7), datamodule=PaddedTextDataModule(seq_len=SEQ_LEN, batch_size=4, max_bytes=40_000)
+        )
     except _Stop as stop:
         return stop.args
     raise AssertionError("the comparison did not run")

@@ -47,7 +47,10 @@ def _reference() -> list[float]:
 
 
 def _train(rank: int, world_size: int, cell: dict, mode, dropout: float) -> tuple[list[float], list[str]]:
-    """Losses of STEPS steps of ``cell``'s layout with ``activation_checkpointing=mode``; and the checkpointed classes."""
+    """Losses of STEPS steps of ``cell``'s layout with ``activation_checkpointing=mode``.
+
+    And the checkpointed classes.
+    """
     sizes = cell["sizes"]
     layout = ParallelLayout(world_size, *sizes)
     mesh = layout.build_mesh("cpu")
@@ -58,8 +61,8 @@ def _train(rank: int, world_size: int, cell: dict, mode, dropout: float) -> tupl
     result = parallelize(module, layout, mesh, options, rank, data_mesh=data_mesh(layout, mesh, options.zero_stage))
     runner = None
     if result.pipelined:
-        runner = PipelineRunner(result.stages, result.stage_ids, result.num_stages, options.schedule, options.microbatches,
-                                loss_fn=module.pipeline_loss, device=torch.device("cpu"),
+        runner = PipelineRunner(result.stages, result.stage_ids, result.num_stages, options.schedule,
+                                options.microbatches, loss_fn=module.pipeline_loss, device=torch.device("cpu"),
                                 group=mesh[PIPELINE_PARALLEL].get_group(), last_stage_rank=result.last_stage_rank)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
     torch.manual_seed(1234)  # the same dropout stream in every run, on every rank

@@ -49,7 +49,9 @@ def _data_shard(inputs, targets, layout: ParallelLayout, rank: int):
     return inputs[start : start + size], targets[start : start + size]
 
 
-def _train_parallel(rank: int, world_size: int, sizes: tuple[int, int, int], zero_stage: int, average: bool = True) -> dict:
+def _train_parallel(
+    rank: int, world_size: int, sizes: tuple[int, int, int], zero_stage: int, average: bool = True
+) -> dict:
     layout = ParallelLayout(world_size, *sizes)
     mesh = layout.build_mesh("cpu")
     options = ParallelOptions(*sizes, zero_stage=zero_stage, microbatches=2, schedule="gpipe", partition="uniform")
@@ -57,8 +59,8 @@ def _train_parallel(rank: int, world_size: int, sizes: tuple[int, int, int], zer
     result = parallelize(module, layout, mesh, options, rank, data_mesh=data_mesh(layout, mesh, zero_stage))
     runner = None
     if result.pipelined:
-        runner = PipelineRunner(result.stages, result.stage_ids, result.num_stages, options.schedule, options.microbatches,
-                                loss_fn=module.pipeline_loss, device=torch.device("cpu"),
+        runner = PipelineRunner(result.stages, result.stage_ids, result.num_stages, options.schedule,
+                                options.microbatches, loss_fn=module.pipeline_loss, device=torch.device("cpu"),
                                 group=mesh[PIPELINE_PARALLEL].get_group(), last_stage_rank=result.last_stage_rank)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
     pp_group = mesh[PIPELINE_PARALLEL].get_group() if layout.pipeline_parallel_enabled else None

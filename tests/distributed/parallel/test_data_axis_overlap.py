@@ -92,8 +92,8 @@ def _run(rank: int, world_size: int) -> dict:
     reference.zero_grad(set_to_none=True)
     for i in range(2):
         (reference.pipeline_loss(reference(x[i]), y[i]) / 2).backward()
-    return {"synced": synced, "deferred": deferred, "accumulated_calls": accumulated_calls, "bucket_calls": bucket_calls,
-            "bucketed": _max_diff(_grads(bucketed), expected_one),
+    return {"synced": synced, "deferred": deferred, "accumulated_calls": accumulated_calls,
+            "bucket_calls": bucket_calls, "bucketed": _max_diff(_grads(bucketed), expected_one),
             "one_step": _max_diff(one_step, expected_one), "accumulated": _max_diff(accumulated, _grads(reference)),
             "units": len(module.pipeline_layers())}  # the root holds no parameter of its own
 

@@ -81,7 +81,9 @@ EXPECTED = {
         backward_all_reduce=10, backward_reduce_scatter=5, backward_all_gather=5,
     ),
 }
-KINDS = [f"{phase}_{kind}" for phase in ("forward", "backward") for kind in ("all_reduce", "reduce_scatter", "all_gather")]
+KINDS = [
+    f"{phase}_{kind}" for phase in ("forward", "backward") for kind in ("all_reduce", "reduce_scatter", "all_gather")
+]
 
 
 def _expected(**nonzero):
@@ -90,7 +92,11 @@ def _expected(**nonzero):
 
 def test_collective_counts_of_the_gpt_plan(checks):
     tp, per_rank = checks
-    measured = {tuple(run["case"][:2]): run["counts"] for case, run in zip(COLLECTIVE_CASES, per_rank[0]["collectives"]) if not case[2]}
+    measured = {
+        tuple(run["case"][:2]): run["counts"]
+        for case, run in zip(COLLECTIVE_CASES, per_rank[0]["collectives"])
+        if not case[2]
+    }
     for key, nonzero in EXPECTED.items():
         assert measured[key] == _expected(**nonzero), f"tp={tp} sequence_parallel, loss_parallel = {key}"
     for result in per_rank[1:]:
@@ -101,7 +107,9 @@ def test_collective_counts_catch_a_changed_plan(checks):
     _, per_rank = checks
     by_overrides = {tuple(run["case"][2]): run["counts"] for run in per_rank[0]["collectives"] if run["case"][2]}
     # Without gather_input on attn, q, k and v each all-reduce their input gradient: +2 per block.
-    assert by_overrides[("blocks.*.attn",)] == _expected(forward_all_reduce=5, forward_all_gather=1, backward_all_reduce=5 + 2 * N_BLOCKS)
+    assert by_overrides[("blocks.*.attn",)] == _expected(
+        forward_all_reduce=5, forward_all_gather=1, backward_all_reduce=5 + 2 * N_BLOCKS
+    )
     # MLPs silently left replicated: one all-reduce per block fewer in each direction.
     assert by_overrides[("blocks.*.mlp", "blocks.*.mlp.down", "blocks.*.mlp.up")] == _expected(
         forward_all_reduce=5 - N_BLOCKS, forward_all_gather=1, backward_all_reduce=5 - N_BLOCKS

@@ -41,7 +41,9 @@ def _scalar(t: torch.Tensor) -> float:
     return float(t.full_tensor() if isinstance(t, DTensor) else t)
 
 
-def train(model: GPT, optimizer_name: str, steps: int, clip: float, lp: bool, clip_fn=None) -> tuple[list[float], list[float]]:
+def train(
+    model: GPT, optimizer_name: str, steps: int, clip: float, lp: bool, clip_fn=None
+) -> tuple[list[float], list[float]]:
     """Losses and pre-clip gradient norms of ``steps`` raw training steps."""
     optimizer = OPTIMIZERS[optimizer_name](model.parameters())
     losses, norms = [], []
@@ -65,7 +67,9 @@ def init(rank: int, world_size: int):
     return init_device_mesh("cpu", (world_size,), mesh_dim_names=("tensor_parallel",))
 
 
-def gpt_parity(mesh, cases: list[tuple[bool, bool, str, float]], steps: int, perturb: bool = False) -> list[dict[str, Any]]:
+def gpt_parity(
+    mesh, cases: list[tuple[bool, bool, str, float]], steps: int, perturb: bool = False
+) -> list[dict[str, Any]]:
     """For each (sequence_parallel, loss_parallel, optimizer, clip): TP vs reference losses and norms.
 
     ``perturb`` (the negative control) gives the last rank a different norm weight, as a
@@ -136,7 +140,12 @@ def parameter_bytes(mesh) -> dict[str, Any]:
     return dict(full=full, sharded=sharded, replicated=replicated)
 
 
-PARITY_CASES = [(sp, lp, opt, clip) for sp in (False, True) for lp in (False, True) for opt, clip in (("adamw", 0.5), ("sgd", float("inf")))]
+PARITY_CASES = [
+    (sp, lp, opt, clip)
+    for sp in (False, True)
+    for lp in (False, True)
+    for opt, clip in (("adamw", 0.5), ("sgd", float("inf")))
+]
 COLLECTIVE_CASES = [
     (False, False, {}),
     (False, True, {}),

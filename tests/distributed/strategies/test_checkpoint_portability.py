@@ -130,5 +130,6 @@ def _weights_after_resume(rank, world_size, path):
                          enable_model_summary=False)
     model = ResidualMLP(seed=5)
     data = FixedOrderData(regression_dataset(GLOBAL_BATCH, 32), batch_size=GLOBAL_BATCH)
-    trainer.predict(model, dataloaders=torch.utils.data.DataLoader([x for x, _ in data.dataset], batch_size=16), ckpt_path=path)
+    loader = torch.utils.data.DataLoader([x for x, _ in data.dataset], batch_size=16)
+    trainer.predict(model, dataloaders=loader, ckpt_path=path)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

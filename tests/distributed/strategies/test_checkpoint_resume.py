@@ -26,7 +26,8 @@ LAYOUTS = {
 def _fit(world_size, strategy, history, epochs, callbacks, seed=0, ckpt_path=None):
     pl.seed_everything(0)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy(), max_epochs=epochs, limit_train_batches=BATCHES_PER_EPOCH,
+        accelerator="cpu", devices=world_size, strategy=strategy(), max_epochs=epochs,
+        limit_train_batches=BATCHES_PER_EPOCH,
         limit_val_batches=0, logger=False, enable_checkpointing=bool(callbacks), enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, callbacks=[history, *callbacks],
     )
@@ -47,7 +48,8 @@ def _resume_run(rank, world_size, strategy, root):
     full = LossHistory()
     _fit(world_size, strategy, full, 2, [])
     first = LossHistory()
-    _fit(world_size, strategy, first, 1, [ModelCheckpoint(dirpath=root, filename="epoch0", save_top_k=-1, save_on_train_epoch_end=True)])
+    saver = ModelCheckpoint(dirpath=root, filename="epoch0", save_top_k=-1, save_on_train_epoch_end=True)
+    _fit(world_size, strategy, first, 1, [saver])
     resumed = LossHistory()
     _fit(world_size, strategy, resumed, 2, [], seed=1, ckpt_path=str(Path(root) / "epoch0.ckpt"))
     return {"full": full.losses, "first": first.losses, "resumed": resumed.losses}

@@ -20,7 +20,8 @@ class _StallRankOne(pl.Callback):
 
 
 def _fit(rank, world_size):
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=PipelineParallelStrategy(timeout=timedelta(seconds=5)),
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size,
+                         strategy=PipelineParallelStrategy(timeout=timedelta(seconds=5)),
                          max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False, callbacks=[_StallRankOne()])
     trainer.fit(ResidualMLP(), datamodule=FixedOrderData(regression_dataset(64, 32), batch_size=16))
@@ -28,6 +29,9 @@ def _fit(rank, world_size):
 
 def test_a_stalled_rank_fails_the_others_with_rank_and_phase_named():
     start = time.monotonic()
-    with pytest.raises(DistributedRunError, match=r"Rank 0 \(data, pipeline, tensor = \(0, 0, 0\)\) timed out after 0:00:05 in training_step"):
+    with pytest.raises(
+        DistributedRunError,
+        match=r"Rank 0 \(data, pipeline, tensor = \(0, 0, 0\)\) timed out after 0:00:05 in training_step",
+    ):
         run_processes(_fit, 2, timeout=120)
     assert time.monotonic() - start < 60  # it did not wait for the stalled rank

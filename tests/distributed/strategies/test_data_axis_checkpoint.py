@@ -36,8 +36,8 @@ def test_a_checkpoint_saved_under_hsdp_with_pipeline_loads_under_other_layouts(t
              "loaded by one process": max_abs_difference(single, reference[BATCHES:])}
     print("max |loss diff|:", diffs)
     assert all(d < TOL for d in diffs.values()), diffs
-    for rank, (_, losses) in enumerate(run_processes(_load, 4, str(tmp_path), {"data_parallel_size": 1,
-                                                     "pipeline_parallel_size": 2, "tensor_parallel_size": 2}, timeout=600)):
+    pp2xtp2 = {"data_parallel_size": 1, "pipeline_parallel_size": 2, "tensor_parallel_size": 2}
+    for rank, (_, losses) in enumerate(run_processes(_load, 4, str(tmp_path), pp2xtp2, timeout=600)):
         diff = max_abs_difference(losses, reference[BATCHES:])
         print(f"loaded by pp2 x tp2, rank {rank}: {diff:.2e}")
         assert diff < TOL, f"pp2 x tp2 rank {rank}: {diff:.2e}"

@@ -58,7 +58,8 @@ def test_ddp_comm_hooks_stay_within_their_bound_of_one_process_and_are_called_ev
     reference = run_processes(fit_losses, 1, "auto", GLOBAL_BATCH, 1, steps=STEPS, optimizer="adamw",
                               trainer_kwargs=CLIP)[0]
     diffs = {name: [max_abs_difference(r[name]["losses"], reference) for r in per_rank] for name in CASES}
-    print(f"one process: loss {reference[0]:.4f} -> {reference[-1]:.4f}; max |loss - one process| per rank:", {n: [f"{d:.2e}" for d in v] for n, v in diffs.items()})
+    print(f"one process: loss {reference[0]:.4f} -> {reference[-1]:.4f}; max |loss - one process| per rank:",
+          {n: [f"{d:.2e}" for d in v] for n, v in diffs.items()})
 
     assert max(diffs["none"]) < 1e-5  # exact DDP: the control that the comparison resolves 1e-5
     assert all(r["none"]["calls"] == 0 for r in per_rank)

@@ -28,7 +28,8 @@ class _Data(pl.LightningDataModule):
 
 def _evaluate(rank, world_size):
     torch.manual_seed(0)
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False, enable_model_summary=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False,
                          strategy=PipelineParallelStrategy() if world_size > 1 else "auto")
     model = ResidualMLP(width=32, depth=4)
     val = trainer.validate(model, datamodule=_Data(), verbose=False)[0]["val_loss"]
@@ -50,7 +51,8 @@ def test_validation_test_and_predict_match_one_process_on_every_rank():
 def _fit_then_test(rank, world_size):
     torch.manual_seed(0)
     model = ResidualMLP(width=32, depth=4)
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False, enable_model_summary=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False,
                          enable_checkpointing=False, max_steps=3, limit_val_batches=0, use_distributed_sampler=False,
                          strategy=PipelineParallelStrategy() if world_size > 1 else "auto")
 

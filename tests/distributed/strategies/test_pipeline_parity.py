@@ -38,8 +38,10 @@ def fixed_order_data(layout) -> FixedOrderData:
 
 
 def _cases(optimizers=("sgd", "adamw"), extras=("plain", "accumulate", "clip")) -> dict[str, Case]:
-    return {f"{opt}/{extra}": Case(partial(ResidualMLP, width=32, depth=4, optimizer=opt), fixed_order_data, EXTRA[extra])
-            for opt in optimizers for extra in extras}
+    return {
+        f"{opt}/{extra}": Case(partial(ResidualMLP, width=32, depth=4, optimizer=opt), fixed_order_data, EXTRA[extra])
+        for opt in optimizers for extra in extras
+    }
 
 
 def _layouts(strategies: dict, devices: int) -> list[Layout]:
@@ -83,7 +85,9 @@ def test_parity_check_fails_for_a_wrong_gradient_scale():
 
 def test_zero_bubble_schedules_time_partition_and_value_clipping_match_one_process(assert_layouts_match):
     strategies = {
-        "interleaved_zero_bubble": partial(PipelineParallelStrategy, schedule="interleaved_zero_bubble", stages_per_rank=2),
+        "interleaved_zero_bubble": partial(
+            PipelineParallelStrategy, schedule="interleaved_zero_bubble", stages_per_rank=2
+        ),
         "zbv": partial(PipelineParallelStrategy, schedule="zbv", stages_per_rank=2),
         "looped_bfs": partial(PipelineParallelStrategy, schedule="looped_bfs", stages_per_rank=2),
         "1f1b/time": partial(PipelineParallelStrategy, schedule="1f1b", partition="time"),
@@ -94,5 +98,7 @@ def test_zero_bubble_schedules_time_partition_and_value_clipping_match_one_proce
     # Value clipping acts on each stage's own gradients after the schedule ran: one schedule proves it, here the
     # one whose V-shaped placement puts the first and the last stage on the same rank.
     value_clip = {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}
-    cases = {"sgd/value-clip": Case(partial(ResidualMLP, width=32, depth=4, optimizer="sgd"), fixed_order_data, value_clip)}
+    cases = {
+        "sgd/value-clip": Case(partial(ResidualMLP, width=32, depth=4, optimizer="sgd"), fixed_order_data, value_clip)
+    }
     assert_layouts_match.cases(cases, _layouts({"zbv": strategies["zbv"]}, 2), steps=STEPS, tolerance=TOL, timeout=600)

@@ -102,7 +102,9 @@ def _assert_within(per_rank: list[dict], reference: dict, names) -> None:
 
 
 def _cases(layouts: dict, precisions=("bf16-mixed", "bf16-true")) -> dict:
-    return {f"{layout}/{p}/{p}": _case(strategy, dp, p) for layout, (strategy, dp) in layouts.items() for p in precisions}
+    return {
+        f"{layout}/{p}/{p}": _case(strategy, dp, p) for layout, (strategy, dp) in layouts.items() for p in precisions
+    }
 
 
 ALL_REDUCES = ("all_reduce", "allreduce")
@@ -164,7 +166,7 @@ def two_process_run() -> tuple[dict, list[dict]]:
         "tensor": (partial(TensorParallelStrategy, tensor_parallel_size=2), 1),
         "dp2": (partial(HybridParallelStrategy, zero_stage=0), 2),
         "dp2_zero3": (partial(HybridParallelStrategy, zero_stage=3), 2),
-        "deepspeed_zero2": (partial(DeepSpeedDataParallelStrategy, stage=2), 2),
+        "deepspeed_zero2": (partial(DeepSpeedDataParallelStrategy, zero_stage=2), 2),
     })
     cases["broken_pipeline/unclipped/bf16-mixed"] = _case(SumLossPipeline, 1, "bf16-mixed", "unclipped")
     return cases, run_processes(_fit_and_check_reductions, 2, cases, timeout=900)
@@ -196,7 +198,7 @@ def test_four_process_layouts_in_bf16_match_one_process_within_its_bf16_error():
         "dp2xpp2_zero3": (partial(HybridParallelStrategy, pipeline_parallel_size=2, zero_stage=3), 2),
         "pp2xtp2": (partial(HybridParallelStrategy, pipeline_parallel_size=2, tensor_parallel_size=2), 1),
         "dp2xtp2_zero2": (partial(HybridParallelStrategy, tensor_parallel_size=2, zero_stage=2), 2),
-        "deepspeed_zero3": (partial(DeepSpeedDataParallelStrategy, stage=3), 4),
+        "deepspeed_zero3": (partial(DeepSpeedDataParallelStrategy, zero_stage=3), 4),
     })
     per_rank = run_processes(fit_cases, 4, cases, timeout=1500)
     _assert_within(per_rank, _references([("bf16-mixed", "bf16-mixed"), ("bf16-true", "bf16-true")]), list(cases))

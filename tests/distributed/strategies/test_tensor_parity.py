@@ -17,15 +17,17 @@ def _cases(tp, mlp_optimizers=("sgd", "adamw"), with_gpt=True):
     cases = {}
     for opt in mlp_optimizers:
         cases[f"mlp/{opt}"] = dict(strategy=tps, global_batch=16, data_parallel=1, optimizer=opt)
-        cases[f"mlp/{opt}/clip"] = dict(strategy=tps, global_batch=16, data_parallel=1, optimizer=opt, trainer_kwargs={"gradient_clip_val": 0.5})
+        cases[f"mlp/{opt}/clip"] = dict(strategy=tps, global_batch=16, data_parallel=1, optimizer=opt,
+                                        trainer_kwargs={"gradient_clip_val": 0.5})
     if not with_gpt:
         return cases
     for sp in (False, True):
         for lp in (False, True):
             gpt = dict(global_batch=8, data_parallel=1, model_factory=tiny_gpt, dataset="text")
             cases[f"gpt/sp={sp}/lp={lp}"] = dict(strategy=partial(tps, sequence_parallel=sp, loss_parallel=lp), **gpt)
-    cases["gpt/sgd/clip"] = dict(strategy=partial(tps, sequence_parallel=True, loss_parallel=True), global_batch=8, data_parallel=1,
-                                 model_factory=partial(tiny_gpt, optimizer=partial(__import__("torch").optim.SGD, lr=0.1, momentum=0.9)),
+    sgd = partial(__import__("torch").optim.SGD, lr=0.1, momentum=0.9)
+    cases["gpt/sgd/clip"] = dict(strategy=partial(tps, sequence_parallel=True, loss_parallel=True), global_batch=8,
+                                 data_parallel=1, model_factory=partial(tiny_gpt, optimizer=sgd),
                                  dataset="text", trainer_kwargs={"gradient_clip_val": 0.5})
     return cases
 

@@ -15,8 +15,9 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from lightning_parallel.adapters import adapt  # noqa: E402
 from lightning_parallel.adapters.hf import causal_lm_loss_terms, causal_lm_valid_count  # noqa: E402
-from lightning_parallel.adapters.hf_loss import TokenWeightedLoss, token_weighting  # noqa: E402
+from lightning_parallel.adapters.hf_loss import TokenWeightedLoss  # noqa: E402
 
 VOCAB, SEQ = 64, 12
 
@@ -127,11 +128,11 @@ def test_a_causal_lm_whose_forward_cannot_take_the_count_is_refused_by_name():
 def test_token_weighting_applies_to_causal_lms_under_data_parallelism_only():
     holder = nn.Module()
     holder.model = tiny_llama()
-    assert token_weighting(holder, None, data_parallel_size=1) is None
-    assert token_weighting(nn.Linear(2, 2), None, data_parallel_size=2) is None
-    assert isinstance(token_weighting(holder, None, data_parallel_size=2), TokenWeightedLoss)
+    assert adapt(holder).loss_weighting(None, data_parallel_size=1) is None
+    assert adapt(nn.Linear(2, 2)).loss_weighting(None, data_parallel_size=2) is None
+    assert isinstance(adapt(holder).loss_weighting(None, data_parallel_size=2), TokenWeightedLoss)
     with pytest.warns(UserWarning, match="accumulate_grad_batches=2 .* weigh equally"):
-        token_weighting(holder, None, data_parallel_size=2, accumulate_grad_batches=2)
+        adapt(holder).loss_weighting(None, data_parallel_size=2, accumulate_grad_batches=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        token_weighting(holder, None, data_parallel_size=2, accumulate_grad_batches=2, warn=False)
+        adapt(holder).loss_weighting(None, data_parallel_size=2, accumulate_grad_batches=2, warn=False)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.adapters.pipeline_plan import pipeline_plan
+from lightning_parallel.adapters import adapt
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallel.compose import check_module
 from lightning_parallel.parallel.options import ParallelOptions
@@ -72,12 +72,18 @@ def layer_count_mismatch():
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (no_plan, r"GPT2LMHeadModel has no pipeline plan: config.base_model_pp_plan is missing.*define pipeline_layers"),
+        (
+            no_plan,
+            r"GPT2LMHeadModel has no pipeline plan: config.base_model_pp_plan is missing.*define pipeline_layers",
+        ),
         (encoder_decoder, r"T5ForConditionalGeneration is an encoder-decoder model.*define pipeline_layers"),
         (layer_count_mismatch, r"LlamaForCausalLM holds 2 decoder layers but config.num_hidden_layers=1"),
         (lambda: nn.Linear(2, 2), r"Linear cannot be split into pipeline stages: it defines no pipeline_layers"),
         (lambda: SkippingChain(), r"outside every pipeline layer"),
-        (lambda: Holder(llama(tie_word_embeddings=True)), r"ties parameters across pipeline layers.*Fix: a loop schedule"),
+        (
+            lambda: Holder(llama(tie_word_embeddings=True)),
+            r"ties parameters across pipeline layers.*Fix: a loop schedule",
+        ),
     ],
     ids=["no-pipeline-plan", "encoder-decoder", "layers-skipped-by-forward", "no-protocol-no-model", "orphan-block",
          "tie-on-one-rank-under-zero"],
@@ -109,27 +115,35 @@ def test_the_chain_check_is_skipped_on_the_meta_device():
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_hugging_face_stages_rebuild_causal_and_padding_masks(attention):
     module = Holder(llama(attn_implementation=attention))
-    plan = pipeline_plan(module)
+    plan = adapt(module).pipeline_plan()
     assert plan.names[0] == "model.model.embed_tokens" and plan.names[-1] == "model.lm_head"
     ids = torch.randint(3, 64, (2, 6))
     mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
     with torch.no_grad():
-        chained = run_chain(list(zip(plan.names, plan.layers)), plan.make_stage, {"input_ids": ids, "attention_mask": mask})
+        chained = run_chain(
+            list(zip(plan.names, plan.layers)), plan.make_stage, {"input_ids": ids, "attention_mask": mask}
+        )
         assert torch.equal(chained, module.model(input_ids=ids, attention_mask=mask).logits)
         changed = ids.clone()
         changed[:, -1] = (ids[:, -1] + 1) % 64  # a later token must not change earlier logits (causal)
-        later = run_chain(list(zip(plan.names, plan.layers)), plan.make_stage, {"input_ids": changed, "attention_mask": mask})
+        later = run_chain(
+            list(zip(plan.names, plan.layers)), plan.make_stage, {"input_ids": changed, "attention_mask": mask}
+        )
     assert torch.equal(later[:, :-1], chained[:, :-1])
 
 
 def test_a_hugging_face_batch_splits_into_inputs_and_labels():
     module = Holder(llama())
-    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3), "labels": torch.zeros(2, 3)}
+    batch = {
+        "input_ids": torch.ones(2, 3, dtype=torch.long),
+        "attention_mask": torch.ones(2, 3),
+        "labels": torch.zeros(2, 3),
+    }
     inputs, targets = split_batch(module, batch)
     assert sorted(inputs) == ["attention_mask", "input_ids"] and targets is batch["labels"]
     with pytest.raises(ValueError, match="no 'labels'"):
         split_batch(module, {"input_ids": batch["input_ids"]})
-    stage = pipeline_plan(module).make_stage([])
+    stage = adapt(module).pipeline_plan().make_stage([])
     with pytest.raises(ValueError, match=r"Batch keys \['token_type_ids'\]"):
         stage.stage_arguments({**inputs, "token_type_ids": batch["input_ids"]})
 
@@ -138,7 +152,7 @@ def test_a_tied_embedding_and_head_split_over_two_ranks_keep_their_names_on_each
     plans = {}
     for rank in (0, 1):
         module = Holder(llama(tie_word_embeddings=True))
-        plan = pipeline_plan(module)
+        plan = adapt(module).pipeline_plan()
         split, _ = split_module(module, plan.layers, [0, 2, len(plan.layers)], [rank], plan.make_stage)
         stage_of = [split.stage_of(i) for i in range(len(split.names))]
         plans[rank] = (local_tied_copies(split.shared, stage_of, [0, 1], rank), set(module.state_dict()))
@@ -149,7 +163,7 @@ def test_a_tied_embedding_and_head_split_over_two_ranks_keep_their_names_on_each
 
 def test_a_tie_within_one_rank_stays_one_parameter():
     module = Holder(llama(tie_word_embeddings=True))
-    plan = pipeline_plan(module)
+    plan = adapt(module).pipeline_plan()
     split, _ = split_module(module, plan.layers, [0, 2, len(plan.layers)], [0, 1], plan.make_stage)
     stage_of = [split.stage_of(i) for i in range(len(split.names))]
     assert local_tied_copies(split.shared, stage_of, [0, 0], 0) == []

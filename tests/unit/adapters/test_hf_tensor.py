@@ -9,7 +9,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from lightning_parallel.adapters.hf_tensor import HF_STYLES, REFUSED_STYLES, RefusedStyle, hf_tensor_plan
+from lightning_parallel.adapters import adapt
+from lightning_parallel.adapters.hf_tensor import HF_STYLES, REFUSED_STYLES, RefusedStyle
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallel.compose import check_module
 from lightning_parallel.parallel.options import ParallelOptions
@@ -55,7 +56,9 @@ def test_user_plan_and_strategy_plan_still_win(llama):
         def tensor_parallel_plan(self):
             return {"model.model.layers.*.mlp.up_proj": "colwise", "model.model.layers.*.mlp.down_proj": "rowwise"}
 
-    assert sorted(resolve_plan(Own())) == [f"model.model.layers.{i}.mlp.{p}" for i in range(2) for p in ("down_proj", "up_proj")]
+    assert sorted(resolve_plan(Own())) == [
+        f"model.model.layers.{i}.mlp.{p}" for i in range(2) for p in ("down_proj", "up_proj")
+    ]
     plan = resolve_plan(llama, {"model.lm_head": None, "model.model.layers.*.mlp.*_proj": None})
     assert "model.lm_head" not in plan and not [name for name in plan if ".mlp." in name]
     # transformers' own names are understood in the strategy's plan too.
@@ -125,13 +128,17 @@ def _no_plan_at_all():
 def _hf_model_without_a_plan():
     holder = nn.Module()
     with torch.device("meta"):
-        holder.model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128))
+        holder.model = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128)
+        )
     validate_tensor_parallel(holder, resolve_plan(holder), 2)
 
 
 def _check_module(module, tensor_parallel, **options):
     layout = ParallelLayout.resolve(tensor_parallel, data_parallel=1, tensor_parallel=tensor_parallel)
-    return check_module(module, layout, ParallelOptions(data_parallel_size=1, tensor_parallel_size=tensor_parallel, **options))
+    return check_module(
+        module, layout, ParallelOptions(data_parallel_size=1, tensor_parallel_size=tensor_parallel, **options)
+    )
 
 
 # (what goes wrong, the call, what the message must say): each a ValueError before any process group.
@@ -146,14 +153,16 @@ ERRORS = [
      r"dimension: 1, 2\."),
     ("tensor size 3 over 4 heads", lambda: _check_module(Holder("mistral"), 3),
      r"MistralConfig has num_attention_heads=4 \(attention heads\).*: 1, 2\."),
-    ("nothing to shard", _no_plan_at_all, r"tensor_parallel_size=2, but .* Sequential is empty: nothing would be sharded"),
+    ("nothing to shard", _no_plan_at_all,
+     r"tensor_parallel_size=2, but .* Sequential is empty: nothing would be sharded"),
     ("HF model without a plan", _hf_model_without_a_plan,
      r"GPT2LMHeadModel, whose config has no base_model_tp_plan.*plan=\{\.\.\.\}.*tensor_parallel_size=1"),
     ("plan that unties a tied weight", _untied_by_plan,
      r"model\.model\.embed_tokens\.weight and model\.lm_head\.weight are one tied parameter.*train apart"),
     ("sequence parallel over an unplanned block", _sequence_parallel_with_unplanned_mlp,
      r"'model\.model\.layers\.0\.mlp' has 'gather_input' but no column-sharded"),
-    ("sequence parallel on a model laid out otherwise", lambda: _check_module(_gemma_without_norm(), 2, sequence_parallel=True),
+    ("sequence parallel on a model laid out otherwise",
+     lambda: _check_module(_gemma_without_norm(), 2, sequence_parallel=True),
      r"sequence_parallel=True with Gemma2ForCausalLM: .*embed_tokens / layers / norm"),
 ]
 
@@ -173,7 +182,7 @@ def test_errors_name_the_fix_before_any_process_group(case, call, message):
 
 def test_refused_style_is_lifted_by_a_plan_override():
     holder = _with_packed_gate()
-    assert isinstance(hf_tensor_plan(holder)[1]["model.model.layers.*.mlp.gate_proj"], RefusedStyle)
+    assert isinstance(adapt(holder).tensor_plan()[1]["model.model.layers.*.mlp.gate_proj"], RefusedStyle)
     plan = resolve_plan(holder, {"model.model.layers.*.mlp.gate_proj": "colwise"})
     assert type(plan["model.model.layers.0.mlp.gate_proj"]) is ColwiseParallel
 
@@ -188,16 +197,14 @@ def test_plan_built_from_class_and_config_when_the_instance_has_none():
     # As transformers < 5 models: no merged instance plan and no embedding entry in base_model_tp_plan.
     tied = Holder("qwen2", tie_word_embeddings=True)
     tied.model._tp_plan = {}
-    _, plan = hf_tensor_plan(tied)
+    _, plan = adapt(tied).tensor_plan()
     assert plan["model.lm_head"] == "colwise_gather" and plan["model.model.layers.*.mlp.down_proj"] == "rowwise"
     assert plan["model.model.embed_tokens"] == "embedding_rowwise"  # added: the tied head must not be sharded alone
     validate_tensor_parallel(tied, resolve_plan(tied), 2)
 
 
 def test_a_config_tie_the_weights_no_longer_keep_is_detected():
-    from lightning_parallel.adapters.hf_tensor import hf_untied_embeddings
-
     tied = Holder("qwen2", tie_word_embeddings=True)
-    assert hf_untied_embeddings(tied) is None and hf_untied_embeddings(Holder("llama")) is None
+    assert adapt(tied).untied_embeddings() is None and adapt(Holder("llama")).untied_embeddings() is None
     tied.model.lm_head.weight = nn.Parameter(torch.empty(128, 32, device="meta"))  # what to_empty or sharding does
-    assert "Qwen2ForCausalLM has tie_word_embeddings=True" in hf_untied_embeddings(tied)
+    assert "Qwen2ForCausalLM has tie_word_embeddings=True" in adapt(tied).untied_embeddings()

@@ -196,23 +196,23 @@ def test_the_strategy_validates_load_optimizer_state():
 
 def test_the_hugging_face_entry_names_the_model_its_prefix_and_config():
     transformers = pytest.importorskip("transformers")
-    from lightning_parallel.checkpoints.hf.metadata import hugging_face_entry
+    from lightning_parallel.adapters import adapt
 
     config = transformers.LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2)
     holder = torch.nn.Module()
     holder.model = transformers.AutoModelForCausalLM.from_config(config)
-    entry = hugging_face_entry(holder)
+    entry = adapt(holder).checkpoint_metadata()["hugging_face"]
     assert entry["prefix"] == "model" and entry["class"] == "LlamaForCausalLM"
     assert entry["config"]["hidden_size"] == 8
-    assert hugging_face_entry(ResidualMLP()) is None
+    assert adapt(ResidualMLP()).checkpoint_metadata() == {}
 
 
 def test_the_deepspeed_strategy_refuses_other_writers_with_the_fix(trained):
     from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
 
     root, module, optim = trained
-    strategy = DeepSpeedDataParallelStrategy(stage=2)
+    strategy = DeepSpeedDataParallelStrategy(zero_stage=2)
     with pytest.raises(ValueError, match="single-file Lightning checkpoint.*HybridParallelStrategy"):
         strategy.load_checkpoint(_lightning_file(root / "c.ckpt", module, optim))
     torch.save(module.state_dict(), root / "plain.pt")

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_parallel.adapters import adapt
 from lightning_parallel.callbacks import HuggingFaceWeights
 from lightning_parallel.checkpoints import save_on_one_process
 from lightning_parallel.checkpoints.hf.load import load_hf_weights
-from lightning_parallel.checkpoints.hf.metadata import hugging_face_entry
 from lightning_parallel.cli.convert import main
 from lightning_parallel.parallel.pipeline.stages import RemovedLayer
 
@@ -42,7 +42,7 @@ def _logits(model):
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_a_suite_folder_exports_to_a_folder_from_pretrained_loads(tmp_path, capsys, tied):
     holder = Holder(tied)
-    meta = dict(LIGHTNING_STATE, hugging_face=hugging_face_entry(holder))
+    meta = dict(LIGHTNING_STATE, **adapt(holder).checkpoint_metadata())
     save_on_one_process(tmp_path / "run.ckpt", {"state_dict": holder.state_dict()}, meta)
     assert main([str(tmp_path / "run.ckpt"), str(tmp_path / "hf"), "--to", "hf"]) == 0
     assert "from_pretrained" in capsys.readouterr().out

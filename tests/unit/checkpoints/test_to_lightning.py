@@ -1,4 +1,7 @@
-"""Suite folder -> one Lightning checkpoint: optimizer state keyed by index exactly as torch keys it, order recovered."""
+"""Suite folder -> one Lightning checkpoint.
+
+Optimizer state is keyed by index exactly as torch keys it, and the order is recovered.
+"""
 
 from __future__ import annotations
 
@@ -57,11 +60,15 @@ def _stage(module, removed):
 LAYERS = ["inp", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "out"]
 
 
-@pytest.mark.parametrize("owned", [[LAYERS[:3], LAYERS[3:]], [LAYERS[0::2], LAYERS[1::2]]], ids=["contiguous", "interleaved"])
+@pytest.mark.parametrize(
+    "owned", [[LAYERS[:3], LAYERS[3:]], [LAYERS[0::2], LAYERS[1::2]]], ids=["contiguous", "interleaved"]
+)
 def test_the_unsplit_order_is_recovered_from_pipeline_stages(owned):
     module = ResidualMLP(width=WIDTH, depth=4)
     stages = [_stage(module, [layer for layer in LAYERS if layer not in mine]) for mine in owned]
-    merged = merge_parameter_groups([_module_order(s) for s in stages], [_local_groups(s, [_two_groups(s)]) for s in stages])
+    merged = merge_parameter_groups(
+        [_module_order(s) for s in stages], [_local_groups(s, [_two_groups(s)]) for s in stages]
+    )
     assert merged == _local_groups(module, [_two_groups(module)])
 
 
@@ -69,7 +76,9 @@ def test_an_order_that_is_not_module_order_under_pipeline_stages_is_unknowable()
     module = ResidualMLP(width=WIDTH, depth=4)
     stages = [_stage(module, LAYERS[3:]), _stage(module, LAYERS[:3])]
     backwards = lambda m: torch.optim.AdamW(list(m.parameters())[::-1])  # noqa: E731
-    assert merge_parameter_groups([_module_order(s) for s in stages], [_local_groups(s, [backwards(s)]) for s in stages]) is None
+    assert merge_parameter_groups(
+        [_module_order(s) for s in stages], [_local_groups(s, [backwards(s)]) for s in stages]
+    ) is None
     # Without pipeline stages every rank's own list is exact, whatever its order.
     assert merge_parameter_groups([_module_order(module)], [_local_groups(module, [backwards(module)])]) == [
         [[n for n, _ in module.named_parameters()][::-1]]]

@@ -52,7 +52,9 @@ def test_training_step_is_the_models_mean_over_valid_tokens():
     batch = torch.utils.data.default_collate([documents[i] for i in range(4)])
     logits = module(batch["input_ids"], batch["attention_mask"])
     targets = batch["labels"][:, 1:]
-    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 128), targets.reshape(-1), ignore_index=-100)
+    expected = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, 128), targets.reshape(-1), ignore_index=-100
+    )
     module.log = lambda *args, **kwargs: None  # no Trainer attached
     assert torch.allclose(module.training_step(batch, 0), expected, atol=1e-6)
 
@@ -74,7 +76,9 @@ def test_padded_documents_vary_in_length_and_mask_their_padding():
     assert all(torch.equal(again[i]["labels"], documents[i]["labels"]) for i in range(len(documents)))
 
 
-@pytest.mark.parametrize(("kwargs", "needle"), [({"min_length": 1}, "min_length=1"), ({"pad_token_id": 200}, "pad_token_id")])
+@pytest.mark.parametrize(
+    ("kwargs", "needle"), [({"min_length": 1}, "min_length=1"), ({"pad_token_id": 200}, "pad_token_id")]
+)
 def test_padded_documents_refuse_bad_settings(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         PaddedDocuments(torch.zeros(64, dtype=torch.long), seq_len=16, vocab_size=128, **kwargs)

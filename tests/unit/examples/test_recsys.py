@@ -16,7 +16,8 @@ def test_generator_is_deterministic_and_respects_table_sizes():
     b = synthetic_click_log([500, 200], TABLES, num_dense=3, seed=7)
     c = synthetic_click_log([500, 200], TABLES, num_dense=3, seed=8)
     for x, y in zip(a, b):
-        assert np.array_equal(x.sparse, y.sparse) and np.array_equal(x.labels, y.labels) and np.array_equal(x.dense, y.dense)
+        assert np.array_equal(x.sparse, y.sparse) and np.array_equal(x.labels, y.labels)
+        assert np.array_equal(x.dense, y.dense)
     assert not np.array_equal(a[0].labels, c[0].labels)
     log = a[0]
     assert log.dense.shape == (500, 3) and log.sparse.shape == (500, 5) and log.dense.dtype == np.float32

@@ -25,7 +25,8 @@ def test_forward_shapes_and_pipeline_layers_compose():
 
 def test_tensor_plan_resolves_to_the_attention_and_mlp_of_every_block():
     plan = resolve_plan(ViT(n_layer=2))
-    assert set(plan) == {f"blocks.{i}.{m}" for i in range(2) for m in ("attn", "attn.q", "attn.k", "attn.v", "attn.out", "mlp", "mlp.up", "mlp.down")}
+    parts = ("attn", "attn.q", "attn.k", "attn.v", "attn.out", "mlp", "mlp.up", "mlp.down")
+    assert set(plan) == {f"blocks.{i}.{m}" for i in range(2) for m in parts}
 
 
 def test_bad_sizes_say_what_to_change():
@@ -77,7 +78,9 @@ def test_image_folder_is_read_with_pillow(tmp_path):
             Image.fromarray(np.full((12, 12, 3), value + i, dtype=np.uint8)).save(tmp_path / name / f"{i}.png")
     images, labels, classes = load_image_folder(str(tmp_path), image_size=8, channels=3)
     assert images.shape == (12, 3, 8, 8) and classes == ["cat", "dog"] and labels.tolist() == [0] * 6 + [1] * 6
-    data = ImageDataModule(path=str(tmp_path), channels=3, num_classes=2, val_fraction=0.25, test_fraction=0.25, batch_size=2)
+    data = ImageDataModule(
+        path=str(tmp_path), channels=3, num_classes=2, val_fraction=0.25, test_fraction=0.25, batch_size=2
+    )
     data.setup()
     assert sum(len(ds) for ds in data.splits.values()) == 12
     with pytest.raises(ValueError, match="set data.num_classes=2"):

@@ -63,7 +63,9 @@ def test_recomputation_without_the_rng_state_would_differ(monkeypatch):
     model, tokens = _gpt(), torch.randint(0, 64, (4, 16))
     _, grads = _loss_and_grads(copy.deepcopy(model), tokens)
     exact = activation_checkpoint.checkpoint
-    monkeypatch.setattr(activation_checkpoint, "checkpoint", lambda *a, **k: exact(*a, **{**k, "preserve_rng_state": False}))
+    monkeypatch.setattr(
+        activation_checkpoint, "checkpoint", lambda *a, **k: exact(*a, **{**k, "preserve_rng_state": False})
+    )
     checkpointed = copy.deepcopy(model)
     checkpoint_activations(checkpointed, "full")
     _, new_grads = _loss_and_grads(checkpointed, tokens)
@@ -129,14 +131,14 @@ def test_strategies_take_the_option_and_show_it_at_start_up():
     strategy = HybridParallelStrategy(data_parallel_size=1, activation_checkpointing="selective")
     assert strategy.options.activation_checkpointing == "selective"
     assert strategy.startup_rows(ParallelLayout(1, 1, 1, 1))["activation checkpointing"].startswith("selective")
-    assert DeepSpeedDataParallelStrategy(stage=3, activation_checkpointing=["blocks.*"]).activation_checkpointing == (
-        "blocks.*",)
+    zero3 = DeepSpeedDataParallelStrategy(zero_stage=3, activation_checkpointing=["blocks.*"])
+    assert zero3.activation_checkpointing == ("blocks.*",)
     assert describe_choice(("blocks.*",)) == "blocks.* (full recomputation of these submodules)"
     with pytest.raises(ValueError, match="not a mode"):
         DeepSpeedDataParallelStrategy(activation_checkpointing="fulll")
     with pytest.raises(ValueError, match="not exact under DeepSpeed ZeRO-3.*'full'"):
-        DeepSpeedDataParallelStrategy(stage=3, activation_checkpointing="selective")
-    DeepSpeedDataParallelStrategy(stage=2, activation_checkpointing="selective")
+        DeepSpeedDataParallelStrategy(zero_stage=3, activation_checkpointing="selective")
+    DeepSpeedDataParallelStrategy(zero_stage=2, activation_checkpointing="selective")
 
 
 def test_fsdp2_shards_the_checkpointed_layers_and_the_state_dict_keeps_its_names(tmp_path):

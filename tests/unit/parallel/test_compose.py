@@ -35,7 +35,9 @@ def test_zero3_on_a_world_of_one_shards_and_refuses_a_second_parallelize(world_o
 def test_check_module_needs_no_process_group():
     assert not dist.is_initialized()
     layout = ParallelLayout.resolve(4, pipeline_parallel=2, tensor_parallel=2)
-    plan = check_module(ResidualMLP(width=16, depth=4), layout, ParallelOptions(pipeline_parallel_size=2, tensor_parallel_size=2))
+    plan = check_module(
+        ResidualMLP(width=16, depth=4), layout, ParallelOptions(pipeline_parallel_size=2, tensor_parallel_size=2)
+    )
     assert sorted(plan) == sorted(f"blocks.{i}.{name}" for i in range(4) for name in ("up", "down"))
     with pytest.raises(ValueError, match="fewer than the 8 stages"):
         check_module(ResidualMLP(width=16, depth=4), ParallelLayout.resolve(8, data_parallel=1, pipeline_parallel=8),

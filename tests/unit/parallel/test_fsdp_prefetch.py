@@ -41,7 +41,9 @@ def test_each_layer_prefetches_the_next_two_in_forward_and_the_previous_two_in_b
 def test_without_the_option_fsdp2_keeps_its_defaults(world_of_one, monkeypatch):
     forward = _recording(monkeypatch, "set_modules_to_forward_prefetch")
     layout, mesh = world_of_one
-    parallelize(ResidualMLP(width=16, depth=2), layout, mesh, ParallelOptions(data_parallel_size=1, zero_stage=3), rank=0)
+    parallelize(
+        ResidualMLP(width=16, depth=2), layout, mesh, ParallelOptions(data_parallel_size=1, zero_stage=3), rank=0
+    )
     assert forward == {}
 
 

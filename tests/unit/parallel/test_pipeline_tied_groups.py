@@ -34,5 +34,7 @@ def test_copies_in_groups_with_the_same_settings_pass(monkeypatch):
 
 
 def test_a_copy_that_decays_while_its_twin_does_not_is_refused_naming_both(monkeypatch):
-    with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' and 'lm_head.weight'.*weight_decay.*same param group"):
+    with pytest.raises(
+        ValueError, match=r"'model.embed_tokens.weight' and 'lm_head.weight'.*weight_decay.*same param group"
+    ):
         _check(monkeypatch, 0.1, 0.0)

@@ -192,14 +192,17 @@ def test_scatter_input_slices_the_stream_only_under_sequence_parallel():
     model = nn.Sequential(nn.Linear(8, 8))
     assert resolve_plan(model, {"0": "scatter_input"}) == {}
     style = resolve_plan(model, {"0": "scatter_input"}, sequence_parallel=True)["0"]
-    assert style.input_layouts == (Replicate(),) and style.desired_input_layouts == (Shard(1),) and style.use_local_output
+    assert style.input_layouts == (Replicate(),) and style.desired_input_layouts == (Shard(1),)
+    assert style.use_local_output
 
 
 @pytest.mark.parametrize("plan", [{}, {"2": "replicated_grad_sum"}], ids=["empty", "no-sharding-style"])
 def test_a_plan_that_shards_nothing_is_refused_for_more_than_one_rank(plan):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.LayerNorm(8))
     resolved = resolve_plan(model, plan)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2, but .* Sequential (is empty|only moves activations)"):
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=2, but .* Sequential (is empty|only moves activations)"
+    ):
         validate_tensor_parallel(model, resolved, 2)
     validate_tensor_parallel(model, resolved, 1)  # one rank: nothing to shard is fine
     validate_tensor_parallel(model, resolved, 2, require_sharding=False)  # a pipeline stage may hold no planned layer

@@ -47,7 +47,10 @@ def test_vocabulary_sharded_embedding_and_column_sharded_head_keep_the_tie():
 @pytest.mark.parametrize(
     ("plan", "message"),
     [
-        ({"head": "colwise_gather"}, r"embed\.weight: unsharded \(plan 'embed': not in the plan\); head\.weight: Shard\(dim=0\)"),
+        (
+            {"head": "colwise_gather"},
+            r"embed\.weight: unsharded \(plan 'embed': not in the plan\); head\.weight: Shard\(dim=0\)",
+        ),
         ({"embed": "colwise", "head": "colwise"}, r"embed\.weight: Shard\(dim=1\).*head\.weight: Shard\(dim=0\)"),
     ],
 )

@@ -27,7 +27,9 @@ def fake_timer(layers: int):
 @pytest.fixture(scope="module")
 def gpt_shape():
     torch.manual_seed(0)
-    shape = profile_module(GPT(seq_len=16, d_model=32, n_layer=2, n_head=4, vocab_size=64), torch.randint(0, 64, (2, 16)))
+    shape = profile_module(
+        GPT(seq_len=16, d_model=32, n_layer=2, n_head=4, vocab_size=64), torch.randint(0, 64, (2, 16))
+    )
     return replace(shape, measured_seconds=fake_timer(len(shape.layers)))  # no timing in tests
 
 

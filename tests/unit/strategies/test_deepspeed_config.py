@@ -66,7 +66,7 @@ def test_raw_config_from_hydra_is_accepted():
 
 
 def test_raw_stage_that_contradicts_the_argument_is_refused():
-    with pytest.raises(ValueError, match=r"zero_optimization.stage=3 but the strategy has stage=2.*pass stage=3"):
+    with pytest.raises(ValueError, match=r"zero_optimization.stage=3 but the strategy has zero_stage=2.*pass zero_stage=3"):
         build_zero_config(2, config={"zero_optimization": {"stage": 3}})
 
 
@@ -78,7 +78,7 @@ def test_offload_asked_but_switched_off_in_raw_config_is_refused():
 @pytest.mark.parametrize("stage", [-1, 4, "2", True, 2.5])
 def test_unknown_stage_is_refused(stage):
     with pytest.raises(ValueError, match="is not a ZeRO stage: use 0, 1, 2 or 3"):
-        DeepSpeedDataParallelStrategy(stage=stage)
+        DeepSpeedDataParallelStrategy(zero_stage=stage)
 
 
 @pytest.mark.parametrize(
@@ -92,12 +92,12 @@ def test_unknown_stage_is_refused(stage):
 )
 def test_offload_the_stage_cannot_do_is_refused(stage, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        DeepSpeedDataParallelStrategy(stage=stage, **kwargs)
+        DeepSpeedDataParallelStrategy(zero_stage=stage, **kwargs)
 
 
 def test_supported_offloads_are_accepted():
-    assert DeepSpeedDataParallelStrategy(stage=1, offload_optimizer=True).config["zero_optimization"]["offload_optimizer"]
-    strategy = DeepSpeedDataParallelStrategy(stage=3, offload_optimizer=True, offload_parameters=True)
+    assert DeepSpeedDataParallelStrategy(zero_stage=1, offload_optimizer=True).config["zero_optimization"]["offload_optimizer"]
+    strategy = DeepSpeedDataParallelStrategy(zero_stage=3, offload_optimizer=True, offload_parameters=True)
     assert strategy.zero_stage_3
 
 
@@ -171,17 +171,17 @@ def test_registered_names_and_their_arguments():
     DeepSpeedDataParallelStrategy.register_strategies(StrategyRegistry)
     DeepSpeedDataParallelStrategy.register_strategies(StrategyRegistry)  # idempotent
     expected = {
-        "deepspeed_zero1": {"stage": 1},
-        "deepspeed_zero2": {"stage": 2},
-        "deepspeed_zero3": {"stage": 3},
-        "deepspeed_zero3_offload": {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
+        "deepspeed_zero1": {"zero_stage": 1},
+        "deepspeed_zero2": {"zero_stage": 2},
+        "deepspeed_zero3": {"zero_stage": 3},
+        "deepspeed_zero3_offload": {"zero_stage": 3, "offload_optimizer": True, "offload_parameters": True},
     }
     assert set(REGISTERED) == set(expected)
     for name, init_params in expected.items():
         assert StrategyRegistry[name]["strategy"] is DeepSpeedDataParallelStrategy
         assert StrategyRegistry[name]["init_params"] == init_params
         strategy = StrategyRegistry.get(name)
-        assert strategy.config["zero_optimization"]["stage"] == init_params["stage"]
+        assert strategy.config["zero_optimization"]["stage"] == init_params["zero_stage"] == strategy.zero_stage
 
 
 def test_registered_name_builds_a_cpu_trainer():
@@ -193,17 +193,45 @@ def test_registered_name_builds_a_cpu_trainer():
     assert trainer.strategy.config["zero_optimization"]["stage"] == 2
 
 
-def test_hydra_configs_instantiate_the_registered_settings():
-    from pathlib import Path
-
+def _composed_strategy(*overrides):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
 
-    conf = Path(__file__).resolve().parents[3] / "conf" / "strategy"
+    from lightning_parallel.runtime.config_dir import CONFIG_DIR
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=[*overrides, "paths.output_dir=/tmp/lp-compose-test"])
+    finally:
+        GlobalHydra.instance().clear()
+    return instantiate(cfg.strategy)
+
+
+def test_hydra_configs_instantiate_the_registered_settings():
+    # deepspeed_zero<N>.yaml are aliases of deepspeed.yaml (a defaults entry plus the lines that differ).
     for name, (_, init_params) in REGISTERED.items():
-        node = OmegaConf.load(conf / f"{name}.yaml").strategy
-        strategy = instantiate(node)
+        strategy = _composed_strategy(f"strategy={name}")
         assert isinstance(strategy, DeepSpeedDataParallelStrategy), name
         for key, value in init_params.items():
             assert getattr(strategy, key) == value, (name, key)
         assert strategy.timeout == DEFAULT_TIMEOUT, name  # `timeout: null` in the file
+
+
+def test_one_deepspeed_config_takes_the_stage_by_the_hybrid_strategys_name():
+    assert _composed_strategy("strategy=deepspeed").zero_stage == 2
+    strategy = _composed_strategy("strategy=deepspeed", "strategy.zero_stage=3")
+    assert strategy.zero_stage == 3 and strategy.zero_stage_3
+
+
+def test_stage_is_the_deprecated_name_of_zero_stage():
+    with pytest.warns(FutureWarning, match=r"stage=3\) is deprecated: use zero_stage=3"):
+        strategy = DeepSpeedDataParallelStrategy(stage=3)
+    assert strategy.zero_stage == strategy.stage == 3 and strategy.config["zero_optimization"]["stage"] == 3
+    with pytest.warns(FutureWarning):
+        assert DeepSpeedDataParallelStrategy(zero_stage=1, stage=1).zero_stage == 1
+    with pytest.raises(ValueError, match="zero_stage=1 and its deprecated name stage=3: pass zero_stage only"), \
+            pytest.warns(FutureWarning):
+        DeepSpeedDataParallelStrategy(zero_stage=1, stage=3)
+    assert DeepSpeedDataParallelStrategy().zero_stage == 2

@@ -33,7 +33,7 @@ def _strategy(module: nn.Module) -> SimpleNamespace:
 
 def _parallelized(data_parallel: int) -> SimpleNamespace:
     layout = SimpleNamespace(data_parallel=data_parallel, data_parallel_enabled=data_parallel > 1)
-    return SimpleNamespace(pipelined=False, layout=layout, options=SimpleNamespace(loss_parallel=False))
+    return SimpleNamespace(pipelined=False, layout=layout, options=SimpleNamespace(loss_parallel=False), adapter=None)
 
 
 @pytest.mark.parametrize(("data_parallel", "weighted"), [(1, False), (2, True)])

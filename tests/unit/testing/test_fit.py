@@ -8,7 +8,9 @@ from lightning_parallel.testing.models import ResidualMLP, regression_dataset
 
 def _fit(**trainer_kwargs):
     pl.seed_everything(0, verbose=False)
-    return fit_recording_losses(ResidualMLP(width=8, depth=2), "auto", 1, regression_dataset(32, 8), 4, 3, **trainer_kwargs)
+    return fit_recording_losses(
+        ResidualMLP(width=8, depth=2), "auto", 1, regression_dataset(32, 8), 4, 3, **trainer_kwargs
+    )
 
 
 def test_one_loss_per_batch_including_accumulated_ones_and_repeatable():

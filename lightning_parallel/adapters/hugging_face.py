@@ -1,0 +1,190 @@
+"""The adapter for a LightningModule holding a Hugging Face ``transformers`` model (or being one).
+
+It answers from the model's own plans and config what a module following the protocol would
+say itself: pipeline stages from ``base_model_pp_plan`` (:mod:`.hf_pipeline`), the tensor plan
+from ``tp_plan`` (:mod:`.hf_tensor`), head counts and tied embeddings from the config, the
+decoder blocks as checkpointing and FSDP2 units, the causal-LM loss as token-weighted terms
+(:mod:`.hf_loss`), and the ``hugging_face`` checkpoint entry ``lp-convert --to hf`` builds a
+folder from. The module's own protocol methods always win over the model's answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from lightning_parallel.adapters.hf import causal_lm_loss_terms, causal_lm_valid_count, find_hf_model
+from lightning_parallel.adapters.hf_loss import ACCUMULATION_WARNING, TokenWeightedLoss, group_sum, is_causal_lm
+from lightning_parallel.adapters.hf_pipeline import HFStage, hf_pipeline_layers
+from lightning_parallel.adapters.hf_tensor import hf_head_dimensions, hf_tensor_plan, hf_untied_embeddings
+from lightning_parallel.parallel.adapter import ModelAdapter
+from lightning_parallel.parallel.pipeline.plan import PipelinePlan, defines_loss_terms, own_loss
+from lightning_parallel.parallel.pipeline.runner import default_item_count
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+SAMPLE_SHAPE = (2, 8)  # the chain check's synthetic batch: tiny, with one padded row
+
+#: The checkpoint entry ``lp-convert --to hf`` rebuilds a Hugging Face folder from
+#: (:mod:`lightning_parallel.checkpoints.hf.export` reads it).
+HF_KEY = "hugging_face"
+
+
+def _sample(model: nn.Module) -> Callable[[], tuple[Any, Any]]:
+    def run() -> tuple[Any, Any]:
+        device = next(model.parameters()).device
+        generator = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(0, model.config.vocab_size, SAMPLE_SHAPE, generator=generator).to(device)
+        attention_mask = torch.ones(SAMPLE_SHAPE, dtype=torch.long, device=device)
+        attention_mask[1, -3:] = 0  # a padded row: the chain must apply the padding mask as forward does
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        return inputs, model(**inputs, use_cache=False).logits
+
+    return run
+
+
+def hf_plan(module: nn.Module, prefix: str, model: nn.Module) -> PipelinePlan:
+    """The pipeline plan of ``module`` holding the causal LM ``model`` at ``prefix`` (its own loss methods win).
+
+    Args:
+        module: the LightningModule.
+        prefix: the model's attribute path in ``module`` (``""`` when it is the model).
+        model: the ``transformers`` causal LM.
+
+    Raises:
+        ValueError: a model the pipeline cannot split (see :func:`~.hf_pipeline.check_hf_pipeline`).
+    """
+    named = hf_pipeline_layers(prefix, model)
+    roles = {name: role for name, _, role in named}
+    own = own_loss(module)
+    return PipelinePlan(
+        tuple(name for name, _, _ in named),
+        tuple(layer for _, layer, _ in named),
+        partial(HFStage, roles=roles, model=model),
+        own or causal_lm_loss_terms,
+        causal_lm_valid_count if own is None else default_item_count,
+        type(model).__name__,
+        _sample(model),
+        loss_terms=own is None or defines_loss_terms(module),
+        timeable=False,
+    )
+
+
+def hugging_face_entry(prefix: str, model: nn.Module) -> dict[str, Any]:
+    """``{"prefix", "class", "config"}``: what ``lp-convert --to hf`` rebuilds the model's folder from.
+
+    Plain values only (the config's ``to_dict()``), so ``meta.pt`` stays readable with ``weights_only=True``.
+    """
+    return {"prefix": prefix, "class": type(model).__name__, "config": model.config.to_dict()}
+
+
+class HuggingFaceAdapter(ModelAdapter):
+    """Answers for a module holding one ``transformers.PreTrainedModel``; its protocol methods still win.
+
+    Args:
+        module: the LightningModule.
+        prefix: the model's attribute path in ``module`` (``""`` when ``module`` is the model).
+        model: the Hugging Face model.
+    """
+
+    def __init__(self, module: nn.Module, prefix: str, model: nn.Module) -> None:
+        super().__init__(module)
+        self.prefix, self.model = prefix, model
+        self.kind = type(model).__name__
+
+    @classmethod
+    def for_module(cls, module: nn.Module) -> Optional[HuggingFaceAdapter]:
+        """The adapter when ``module`` holds one Hugging Face model (or is one), else None.
+
+        Raises:
+            ValueError: ``module`` holds two unrelated Hugging Face models and defines neither
+                ``pipeline_layers()`` nor ``tensor_parallel_plan()``: the suite cannot tell which to split.
+        """
+        try:
+            found = find_hf_model(module)
+        except ValueError:
+            if any(callable(getattr(module, name, None)) for name in ("pipeline_layers", "tensor_parallel_plan")):
+                return None  # the module says itself how to split it: the protocol answers
+            raise
+        return cls(module, *found) if found is not None else None
+
+    def pipeline_plan(self) -> PipelinePlan:
+        if callable(getattr(self.module, "pipeline_layers", None)):
+            return super().pipeline_plan()
+        return hf_plan(self.module, self.prefix, self.model)
+
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        """A dict batch splits into ``(the dict without "labels", labels)``; else as the protocol says."""
+        if callable(getattr(self.module, "pipeline_split_batch", None)) or not isinstance(batch, Mapping):
+            return super().split_batch(batch)
+        if "labels" not in batch:
+            raise ValueError(
+                f"The batch holds {sorted(batch)} but no 'labels': a Hugging Face causal LM's pipeline needs the "
+                "labels as targets. Add labels to the batch (input_ids with -100 where no loss is taken), or define "
+                "pipeline_split_batch(batch) -> (inputs, targets) on the module."
+            )
+        return {k: v for k, v in batch.items() if k != "labels"}, batch["labels"]
+
+    def tensor_plan(self, sequence_parallel: bool = False) -> tuple[str, dict[str, Any]]:
+        if callable(getattr(self.module, "tensor_parallel_plan", None)):
+            return super().tensor_plan(sequence_parallel)
+        source, plan = hf_tensor_plan(self.prefix, self.model, sequence_parallel=sequence_parallel)
+        # transformers' "replicate" means what an unplanned module does.
+        return source[0].upper() + source[1:], {key: value for key, value in plan.items() if value is not None}
+
+    def head_dimensions(self, plan: Mapping[str, Any]) -> list[tuple[str, int]]:
+        return hf_head_dimensions(self.model, dict(plan))
+
+    def untied_embeddings(self) -> Optional[str]:
+        return hf_untied_embeddings(self.model)
+
+    def missing_plan_hint(self) -> str:
+        return f"; it holds the Hugging Face {type(self.model).__name__}, whose config has no base_model_tp_plan"
+
+    def layers(self) -> list[nn.Module]:
+        """The module's ``pipeline_layers()``, else the decoder's blocks (gathered one at a time, as pipelined)."""
+        own = super().layers()
+        if own:
+            return own
+        blocks = getattr(getattr(self.model, "base_model", None), "layers", None)
+        return list(blocks) if isinstance(blocks, nn.ModuleList) else []
+
+    def data_axis_roots(self) -> list[nn.Module]:
+        """The model first, then the module.
+
+        A zero-glue ``training_step`` calls ``self.model(**batch)`` and never the LightningModule's
+        ``forward``, and FSDP2 gathers a root's own parameters in that root's forward: the model
+        being called must be a root itself, or its embedding would stay sharded.
+        """
+        return [self.model, self.module] if self.prefix else [self.module]
+
+    def prepare_activation_checkpointing(self) -> None:
+        # As Hugging Face's own gradient checkpointing does: a KV cache built during training would be
+        # appended to again by the recomputation (selective checkpointing then fails in backward).
+        if getattr(self.model.config, "use_cache", False):
+            self.model.config.use_cache = False
+
+    def loss_weighting(
+        self, group: Optional[dist.ProcessGroup], data_parallel_size: int, accumulate_grad_batches: int = 1,
+        warn: bool = True,
+    ) -> Optional[TokenWeightedLoss]:
+        """Token-weight a causal LM's own ``.loss`` over the data-parallel ranks (see :mod:`.hf_loss`); None with
+        one data-parallel rank (transformers' per-batch mean is then the batch's token mean already)."""
+        if data_parallel_size <= 1 or not is_causal_lm(self.model):
+            return None
+        if accumulate_grad_batches > 1 and warn:
+            import warnings
+
+            warnings.warn(ACCUMULATION_WARNING.format(accumulation=accumulate_grad_batches), stacklevel=2)
+        return TokenWeightedLoss(self.model, group_sum(group), data_parallel_size)
+
+    def checkpoint_metadata(self) -> dict[str, Any]:
+        return {HF_KEY: hugging_face_entry(self.prefix, self.model)}
+
+    def weights_prefix(self) -> Optional[str]:
+        return self.prefix + "." if self.prefix else ""

@@ -1,0 +1,190 @@
+"""Everything the engine asks of a model, in one object resolved once per run (:class:`ModelAdapter`).
+
+The engine (:mod:`lightning_parallel.parallel`, the strategies and executors) never asks "is this a
+Hugging Face model?": it asks the adapter it was given. This base class answers for a module
+that follows :mod:`lightning_parallel.protocol` (its own ``pipeline_layers()``,
+``tensor_parallel_plan()``, ``pipeline_split_batch()``, losses) and leaves everything else
+empty. Adapters for model families (:mod:`lightning_parallel.adapters`: Hugging Face decoders
+today; mixture-of-experts, context-parallel attention and embedding tables next) subclass it and
+answer what the module leaves open; ``lightning_parallel.adapters.adapt(module)`` picks one.
+
+Note:
+    The class lives here, not in :mod:`lightning_parallel.adapters`, so that the import arrow
+    points one way: adapters import the engine's vocabulary (plans, stages, styles) and
+    implement this interface; the engine receives an instance as an argument and imports no
+    adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Optional, Protocol
+
+from torch import nn
+
+from lightning_parallel.parallel.pipeline.plan import PipelinePlan, protocol_plan
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+
+class LossWeighting(Protocol):
+    """Weights a model's own loss over data-parallel ranks while a training step runs."""
+
+    def training(self) -> ContextManager[None]:
+        """The context a training step runs in."""
+
+
+class ModelAdapter:
+    """The engine's questions about one model, answered from the module's protocol methods.
+
+    Args:
+        module: the LightningModule (or any ``nn.Module``) being parallelised.
+
+    Attributes:
+        module: that module.
+    """
+
+    #: Shown in start-up tables and messages: who answers for the model.
+    kind = "protocol"
+
+    #: Adapter classes for model families, asked in order by :meth:`resolve` (see :meth:`register`).
+    families: ClassVar[list[type[ModelAdapter]]] = []
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @classmethod
+    def for_module(cls, module: nn.Module) -> Optional[ModelAdapter]:
+        """An adapter of this family for ``module``, or None when the family does not understand it.
+
+        Subclasses override it; the base understands every module through the protocol.
+        """
+        return cls(module) if cls is ModelAdapter else None
+
+    @staticmethod
+    def register(family: type[ModelAdapter]) -> type[ModelAdapter]:
+        """Add a model family's adapter class to those :meth:`resolve` asks (first registered, first asked).
+
+        Note:
+            A registry of classes, as Lightning's ``StrategyRegistry`` is, not run state: it is what
+            lets the engine's functions resolve a model they were handed without an adapter and without
+            importing :mod:`lightning_parallel.adapters` (which registers its families when imported,
+            as ``import lightning_parallel`` does).
+        """
+        if family not in ModelAdapter.families:
+            ModelAdapter.families.append(family)
+        return family
+
+    @staticmethod
+    def resolve(module: nn.Module) -> ModelAdapter:
+        """The adapter that answers for ``module``: the first registered family that understands it, else the
+        protocol's (this class). Strategies call it once per run (``lightning_parallel.adapters.adapt``).
+
+        Args:
+            module: the LightningModule (or any module) to be parallelised.
+        """
+        for family in ModelAdapter.families:
+            found = family.for_module(module)
+            if found is not None:
+                return found
+        return ModelAdapter(module)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({type(self.module).__name__})"
+
+    # Pipeline parallelism ------------------------------------------------------------------
+    def pipeline_plan(self) -> PipelinePlan:
+        """How the module splits into pipeline stages.
+
+        Raises:
+            ValueError: the module cannot be split (the message names what to define).
+        """
+        if callable(getattr(self.module, "pipeline_layers", None)):
+            return protocol_plan(self.module)
+        raise ValueError(
+            f"{type(self.module).__name__} cannot be split into pipeline stages: it defines no pipeline_layers() and "
+            "holds no Hugging Face model. Implement the module protocol (pipeline_layers and pipeline_loss_terms or "
+            "pipeline_loss; see lightning_parallel/protocol.py and the README)."
+        )
+
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        """``(inputs, targets)`` of one batch: the module's ``pipeline_split_batch``, else an ``(inputs, targets)`` pair.
+
+        Args:
+            batch: one batch from the data loader.
+        """
+        custom = getattr(self.module, "pipeline_split_batch", None)
+        if callable(custom):
+            return custom(batch)
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            return batch[0], batch[1]
+        raise ValueError(
+            f"Batches must be (inputs, targets) pairs, got {type(batch).__name__}"
+            f"{' of length ' + str(len(batch)) if isinstance(batch, (tuple, list)) else ''}. "
+            "Return pairs from the dataset, or define pipeline_split_batch(batch) -> (inputs, targets) on the module."
+        )
+
+    # Tensor parallelism --------------------------------------------------------------------
+    def tensor_plan(self, sequence_parallel: bool = False) -> tuple[str, dict[str, Any]]:
+        """``(source, plan)``: the module's ``tensor_parallel_plan()`` (empty without one) and where it came from.
+
+        Args:
+            sequence_parallel: whether the plan should also shard the residual stream along the sequence
+                (an adapter adds its entries; the protocol's own plan already says what it wants).
+        """
+        own = getattr(self.module, "tensor_parallel_plan", None)
+        return "tensor_parallel_plan()", dict(own()) if callable(own) else {}
+
+    def head_dimensions(self, plan: Mapping[str, Any]) -> list[tuple[str, int]]:
+        """``(description, size)`` of dimensions ``plan`` splits that the layers' shapes do not show (head counts
+        from a config); the engine finds the rest from the sharded layers themselves."""
+        return []
+
+    def untied_embeddings(self) -> Optional[str]:
+        """A description of weights the model promises to tie but holds apart (None when all is well)."""
+        return None
+
+    def missing_plan_hint(self) -> str:
+        """Extra words for the "nothing to shard" error (why the model brought no plan)."""
+        return ""
+
+    # Layers, units and roots ---------------------------------------------------------------
+    def layers(self) -> list[nn.Module]:
+        """The repeated blocks, in order: what ``activation_checkpointing="full"`` recomputes and what FSDP2 wraps
+        one unit each without pipelining. The module's ``pipeline_layers()``, else none."""
+        if callable(getattr(self.module, "pipeline_layers", None)):
+            return list(self.module.pipeline_layers())
+        return []
+
+    def data_axis_roots(self) -> list[nn.Module]:
+        """FSDP2 roots without pipelining, innermost first; the module itself is always the last."""
+        return [self.module]
+
+    def prepare_activation_checkpointing(self) -> None:
+        """Make the model safe to recompute (an adapter turns off a key/value cache); nothing for the protocol."""
+
+    # Losses --------------------------------------------------------------------------------
+    def loss_weighting(
+        self, group: Optional[dist.ProcessGroup], data_parallel_size: int, accumulate_grad_batches: int = 1,
+        warn: bool = True,
+    ) -> Optional[LossWeighting]:
+        """How the model's own loss becomes the global-batch mean under data parallelism (None: it already is, or
+        the module's ``training_step`` computes a loss the suite does not rewrite).
+
+        Args:
+            group: the data-parallel process group (None: the default group).
+            data_parallel_size: ranks in ``group``.
+            accumulate_grad_batches: the Trainer's gradient accumulation.
+            warn: whether this rank prints warnings (``rank == 0``).
+        """
+        return None
+
+    # Checkpoints and weights ---------------------------------------------------------------
+    def checkpoint_metadata(self) -> dict[str, Any]:
+        """Extra top-level entries a checkpoint of this model carries (plain values only)."""
+        return {}
+
+    def weights_prefix(self) -> Optional[str]:
+        """The attribute path (plus a dot) of pretrained weights inside the module, or None when it holds none."""
+        return None

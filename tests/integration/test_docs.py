@@ -1,0 +1,118 @@
+"""The documentation site builds in strict mode, and the README stays a front door whose links resolve.
+
+``mkdocs build --strict`` (mkdocs.yml) fails on a broken link or anchor, a page missing from the nav,
+an unresolved cross-reference and an API object mkdocstrings cannot find; a negative control shows
+that a broken link and a missing reference do fail it. The docs packages come with the ``test`` and
+``docs`` extras.
+"""
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+MAX_README_LINES = 300
+
+needs_mkdocs = pytest.mark.skipif(
+    any(importlib.util.find_spec(name) is None for name in ("mkdocs", "mkdocstrings", "material")),
+    reason="the docs packages are not installed: pip install -e '.[docs]' (mkdocs, mkdocs-material, mkdocstrings)",
+)
+
+
+def _build(config: Path, site: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about its successor
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config),
+                           "--site-dir", str(site)], cwd=config.parent, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.slow
+@needs_mkdocs
+def test_site_builds_in_strict_mode(tmp_path):
+    result = _build(ROOT / "mkdocs.yml", tmp_path / "site")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    reference = (tmp_path / "site" / "reference" / "strategies.html").read_text()
+    assert 'id="lightning_parallel.strategies.HybridParallelStrategy"' in reference
+    assert (tmp_path / "site" / "benchmarks" / "results" / "2026-12-02" / "step_time.png").is_file()
+
+
+@pytest.mark.slow
+@needs_mkdocs
+def test_a_broken_link_or_a_missing_reference_fails_the_build(tmp_path):
+    """Negative control: the same site with one broken link and one unresolved API reference."""
+    copy = tmp_path / "repo"
+    shutil.copytree(ROOT / "docs", copy / "docs")
+    shutil.copytree(ROOT / "benchmarks" / "results", copy / "benchmarks" / "results")
+    shutil.copy2(ROOT / "mkdocs.yml", copy / "mkdocs.yml")
+    (copy / "lightning_parallel").symlink_to(ROOT / "lightning_parallel", target_is_directory=True)
+    with (copy / "docs" / "index.md").open("a") as page:
+        page.write("\n[gone](no-such-page.md) and [`Gone`][lightning_parallel.NoSuchStrategy]\n")
+    result = _build(copy / "mkdocs.yml", tmp_path / "site")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert "no-such-page.md" in output and "lightning_parallel.NoSuchStrategy" in output
+
+
+def test_readme_is_a_front_door():
+    lines = len(README.read_text().splitlines())
+    assert lines <= MAX_README_LINES, f"README.md has {lines} lines; move sections into docs/ (at most {MAX_README_LINES})"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _links(text: str) -> list[str]:
+    """Targets of Markdown links and images, outside fenced code blocks and code spans."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    prose = re.sub(r"`[^`\n]*`", "", prose)
+    return re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", prose)
+
+
+def test_every_relative_link_in_the_readme_resolves():
+    broken = []
+    links = [link for link in _links(README.read_text()) if not re.match(r"[a-z]+:", link)]
+    assert len(links) > 20
+    for link in links:
+        path, _, anchor = link.partition("#")
+        target = (ROOT / path) if path else README
+        if not target.exists():
+            broken.append(f"{link}: no such file")
+        elif anchor and target.suffix == ".md":
+            text = re.sub(r"^```.*?^```", "", target.read_text(), flags=re.M | re.S)
+            headings = {_slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+            if anchor not in headings:
+                broken.append(f"{link}: no heading #{anchor} in {path}")
+    assert broken == []
+
+
+def test_source_layout_page_names_every_subpackage_and_top_level_module():
+    """docs/layout.md (and the architecture page through it) must follow the package as it moves."""
+    layout = (ROOT / "docs" / "layout.md").read_text()
+    package = ROOT / "lightning_parallel"
+    names = [f"{p.parent.name}/" for p in package.glob("*/**/__init__.py")]  # nested ones under their parent
+    names += [p.name for p in package.glob("*.py")]
+    missing = sorted(name for name in names if not re.search(rf"(^|[\s(/]){re.escape(name)}", layout, flags=re.M))
+    assert missing == []
+
+
+def test_every_repository_path_the_docs_name_exists():
+    """`lightning_parallel/...`, `tests/...`, `benchmarks/...`, `conf/...`, `examples/...` in code spans of the
+    README and docs/ name files that exist (the package moves; the docs follow)."""
+    installed_only = {"lightning_parallel/conf"}  # where the wheel puts conf/
+    span = re.compile(r"`((?:lightning_parallel|tests|benchmarks|conf|examples)/[\w/.\-]*)`")
+    missing = []
+    for page in [README, *sorted((ROOT / "docs").rglob("*.md"))]:
+        for path in span.findall(page.read_text()):
+            if path not in installed_only and not (ROOT / path).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+    assert missing == []
