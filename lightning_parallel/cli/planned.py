@@ -110,6 +110,11 @@ def check_resolves(c: Candidate, node: dict[str, Any], world: int) -> None:
     The layout comes from :func:`~lightning_parallel.strategies.resolve.resolve_layout`, the one every
     other part of the run (preflight, scaling, the data) reads.
 
+    Args:
+        c: the planned candidate.
+        node: its ``strategy`` config (:func:`strategy_node`).
+        world: processes in the run.
+
     Raises:
         ValueError: the sizes differ, naming the cache file to delete.
     """

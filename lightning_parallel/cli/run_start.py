@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,6 +19,7 @@ from omegaconf import DictConfig, open_dict
 from lightning_parallel.cli.preflight import ConfigError
 from lightning_parallel.cli.run_folder import claim, external_launch_error, run_id
 from lightning_parallel.cli.run_resume import last_checkpoint, no_checkpoint_message
+from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.runtime.console import log_to_file
 
 
@@ -160,3 +162,46 @@ def log_traceback(error: BaseException) -> Optional[str]:
     if files:
         log_to_file("".join(traceback.format_exception(type(error), error, error.__traceback__)))
     return files[0] if files else None
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """Everything settled before any rank starts (:func:`prepare_run`).
+
+    Attributes:
+        processes: local ranks this process starts (0 when a launcher already started them).
+        strategy: the strategy object (or Lightning's name) that preflight built.
+        layout: its resolved layout.
+        start: the checkpoint every rank loads (None: a fresh start).
+        notes: extra start-up table rows (the planner's choice, the validation schedule).
+        identity: the run folder's owner identity, handed to the local ranks.
+    """
+
+    processes: int
+    strategy: Any
+    layout: ParallelLayout
+    start: Optional[Path]
+    notes: dict[str, str]
+    identity: str
+
+
+def prepare_run(cfg: DictConfig) -> PreparedRun:
+    """Everything settled before any rank starts: processes, checks, start checkpoint, run folder, validation."""
+    from lightning_parallel.cli.launch import launched_externally, processes_to_launch
+    from lightning_parallel.cli.planned import plan_if_asked
+    from lightning_parallel.cli.preflight import preflight
+
+    route_logs_to_file()
+    try:
+        nprocs = processes_to_launch(cfg.trainer.devices, int(cfg.trainer.num_nodes))
+        planned = plan_if_asked(cfg)  # strategy=planned: the planner's layout replaces cfg.strategy
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    strategy, layout = preflight(cfg)  # before any other rank starts: a bad config is reported once
+    start = start_checkpoint(cfg)
+    identity = claim_run_folder(cfg, bool(launched_externally()))
+    note = validation_schedule(cfg)
+    with open_dict(cfg):
+        cfg.ckpt_path = str(start) if start else None  # every rank loads this one checkpoint
+    notes = {**planned, **({"validation": note} if note else {})}
+    return PreparedRun(nprocs, strategy, layout, start, notes, identity)

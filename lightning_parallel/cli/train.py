@@ -235,31 +235,6 @@ def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None
     return metrics
 
 
-def _prepare(cfg: DictConfig) -> tuple[int, tuple[Any, ParallelLayout], Optional[Path], dict[str, str], str]:
-    """Everything settled before any rank starts: processes, checks, start checkpoint, run folder, validation."""
-    from lightning_parallel.cli.launch import launched_externally, processes_to_launch
-    from lightning_parallel.cli.planned import plan_if_asked
-    from lightning_parallel.cli.run_start import (
-        claim_run_folder,
-        route_logs_to_file,
-        start_checkpoint,
-        validation_schedule,
-    )
-
-    route_logs_to_file()
-    try:
-        nprocs = processes_to_launch(cfg.trainer.devices, int(cfg.trainer.num_nodes))
-        planned = plan_if_asked(cfg)  # strategy=planned: the planner's layout replaces cfg.strategy
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    prepared = preflight(cfg)  # before any other rank starts: a bad config is reported once
-    start = start_checkpoint(cfg)
-    identity = claim_run_folder(cfg, bool(launched_externally()))
-    note = validation_schedule(cfg)
-    with open_dict(cfg):
-        cfg.ckpt_path = str(start) if start else None  # every rank loads this one checkpoint
-    return nprocs, prepared, start, {**planned, **({"validation": note} if note else {})}, identity
-
 
 def _report_stop(cfg: DictConfig) -> None:
     """After a stop on SIGINT/SIGTERM: what was saved, how long it took, and how to continue (rank 0)."""
@@ -296,14 +271,16 @@ def run(cfg: DictConfig) -> Optional[float]:
     from hydra.core.hydra_config import HydraConfig
 
     from lightning_parallel.cli.launch import local_ranks, restored_rank_environment
+    from lightning_parallel.cli.run_start import prepare_run
 
-    nprocs, prepared, start, notes, identity = _prepare(cfg)
+    run_ = prepare_run(cfg)
+    prepared = (run_.strategy, run_.layout)
     with restored_rank_environment():
-        if nprocs:
-            with local_ranks(cfg, Path(HydraConfig.get().runtime.output_dir), nprocs, identity):
-                metrics = _train_then_leave_group(cfg, prepared, start, notes)
+        if run_.processes:
+            with local_ranks(cfg, Path(HydraConfig.get().runtime.output_dir), run_.processes, run_.identity):
+                metrics = _train_then_leave_group(cfg, prepared, run_.start, run_.notes)
         else:
-            metrics = _train_then_leave_group(cfg, prepared, start, notes)
+            metrics = _train_then_leave_group(cfg, prepared, run_.start, run_.notes)
     if signals.stop_requested():
         _report_stop(cfg)
         # Everything is saved: skip the interpreter's slow teardown, which a user waiting on Ctrl-C would sit through.

@@ -1,10 +1,10 @@
 """Installed like a library: the wheel carries the configs and recipes inside ``lightning_parallel``, ``lp-train``
-runs from any folder, and a user's own configs join the suite's groups (README "Your own configs").
+runs from any folder, and a user's own configs join the suite's groups (docs/configs.md "Your own configs").
 
 The wheel is built offline from a copy of the checkout (no build isolation, no index), installed with
 ``pip install --target`` and imported through ``PYTHONPATH`` from a folder outside the checkout, so the
-runs below use the installed copy, never the source tree. The user-config example is read from the README
-(its files and both commands), so the README shows what this test runs.
+runs below use the installed copy, never the source tree. The user-config example is read from docs/configs.md
+(its files and both commands), so the docs show what this test runs.
 """
 
 import json
@@ -29,8 +29,8 @@ TINY = ["model=gpt_tiny", "trainer=cpu_test", "trainer.max_steps=5", "trainer.ac
 
 
 def _readme_example() -> tuple[dict[str, str], list[list[str]]]:
-    """The README's "Your own configs" example: its files (path -> text) and its commands' arguments."""
-    readme = (ROOT / "README.md").read_text()
+    """docs/configs.md's "Your own configs" example: its files (path -> text) and its commands' arguments."""
+    readme = (ROOT / "docs" / "configs.md").read_text()
     section = readme.split("\n## Your own configs\n", 1)[1].split("\n## ", 1)[0]
     files = dict(re.findall(r"^`([\w/.]+\.(?:py|yaml))`:\n\n```\w+\n(.*?)^```", section, flags=re.M | re.S))
     commands = [shlex.split(line)[2:] for line in section.splitlines() if line.startswith("PYTHONPATH=. lp-train ")]
@@ -120,7 +120,7 @@ def test_readme_example_has_the_files_and_both_ways_to_add_a_config_folder():
 
 @pytest.mark.parametrize("args", USER_COMMANDS, ids=lambda args: args[0].split("=")[0].lstrip("-"))
 def test_users_own_configs_join_the_suites_groups(site, tmp_path, args):
-    """The README's example, run as written (shortened: 2 steps, 1 CPU device) from a project folder."""
+    """The docs' example, run as written (shortened: 2 steps, 1 CPU device) from a project folder."""
     project = tmp_path / "my_project"
     for name, text in USER_FILES.items():
         (project / name).parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Scaling rules: worked examples from the README, and impossible requests."""
+"""Scaling rules: worked examples from docs/scaling.md, and impossible requests."""
 
 import math
 from pathlib import Path
@@ -30,7 +30,7 @@ def test_fixed_global_batch_chooses_accumulation():
 
 
 def test_fixed_global_batch_on_a_data_parallel_size_that_cannot_divide_names_the_fix():
-    # README: on 3 devices no micro-batch reaches 256; the message names device counts that can.
+    # docs/scaling.md: on 3 devices no micro-batch reaches 256; the message names device counts that can.
     with pytest.raises(ValueError, match=r"data-parallel size 3 does not divide 256.*\[1, 2, 4, 8\]"):
         rescale("fixed_global_batch", REF, data_parallel=3, micro_batch_size=32)
 
@@ -92,8 +92,8 @@ def test_non_positive_sizes_are_refused(bad):
 
 
 def _readme_examples():
-    """Rows of the README's worked-examples table (rule, devices, layout, micro, acc, global batch, lr, warm-up)."""
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    """Rows of docs/scaling.md's worked examples (rule, devices, layout, micro, acc, global batch, lr, warm-up)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "scaling.md").read_text()
     rows = []
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
