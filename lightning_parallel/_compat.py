@@ -242,3 +242,14 @@ def hf_class_plans(model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """
     cls = type(model)
     return dict(getattr(cls, "_tp_plan", None) or {}), dict(getattr(cls, "_pp_plan", None) or {})
+
+
+def hf_init_weights(model: Any, module: nn.Module) -> None:
+    """``model._init_weights(module)``: transformers' per-module initialiser (normal weights, ones for norms,
+    the rotary ``inv_freq`` recomputed from the config), the one ``from_config`` applies to every module.
+
+    Why private: transformers has no public per-module initialiser; its public ``init_weights()`` walks the
+    whole model, which a rank holding one stage cannot do. The canary test builds a tiny Llama and checks
+    the method exists and fills a meta-built module's rotary buffer.
+    """
+    model._init_weights(module)

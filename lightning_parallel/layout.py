@@ -202,7 +202,9 @@ class ParallelLayout:
             names: how the caller spells each setting in messages (keys of :data:`DEFAULT_NAMES`,
                 e.g. ``{"pipeline_parallel": "strategy.pipeline_parallel_size", "devices": "trainer.devices"}``).
             num_nodes: nodes in the world (only for the messages' device counts).
-            data_replicate, data_shard: the HSDP split of the data axis (either, or both with
+            data_replicate: the HSDP split of the data axis (either, or both with
+                product ``data_parallel``); None for both: one shard group (``data_replicate=1``).
+            data_shard: the HSDP split of the data axis (either, or both with
                 product ``data_parallel``); None for both: one shard group (``data_replicate=1``).
 
         Raises:

@@ -53,7 +53,8 @@ def find_hf_model(module: nn.Module) -> Optional[tuple[str, nn.Module]]:
         names = ", ".join(f"{n} ({type(m).__name__})" for n, m in found)
         raise ValueError(
             f"{type(module).__name__} holds several Hugging Face models ({names}); the suite splits one model. "
-            "Define the protocol methods (pipeline_layers, tensor_parallel_plan, ...) on the LightningModule to say how."
+            "Define the protocol methods (pipeline_layers, tensor_parallel_plan, ...) "
+            "on the LightningModule to say how."
         )
     return found[0] if found else None
 

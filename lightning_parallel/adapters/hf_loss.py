@@ -50,7 +50,8 @@ ACCUMULATION_WARNING = (
     "accumulate_grad_batches={accumulation} with a Hugging Face causal LM: each batch's loss is the token mean over "
     "its data-parallel ranks (exact), but the {accumulation} batches of an optimizer step weigh equally, as in one "
     "process with the same accumulation -- not by their token counts. For a token mean over the whole window, raise "
-    "the batch size instead of accumulating, or pass num_items_in_batch yourself (then the suite leaves the loss alone)."
+    "the batch size instead of accumulating, or pass num_items_in_batch yourself "
+    "(then the suite leaves the loss alone)."
 )
 
 
@@ -114,9 +115,9 @@ class TokenWeightedLoss:
             return None
         if not self._accepts:
             raise ValueError(
-                f"{type(module).__name__}.forward does not take num_items_in_batch, so its loss cannot be weighted by the "
-                "valid tokens of the global batch across data-parallel ranks. Compute the loss in training_step from the "
-                "logits (lightning_parallel.adapters.hf.causal_lm_loss_terms) instead of passing labels."
+                f"{type(module).__name__}.forward does not take num_items_in_batch, so its loss cannot be weighted by "
+                "the valid tokens of the global batch across data-parallel ranks. Compute the loss in training_step "
+                "from the logits (lightning_parallel.adapters.hf.causal_lm_loss_terms) instead of passing labels."
             )
         count = self.sum_over_ranks(causal_lm_valid_count(labels).to(torch.float32))
         # fp32: N / dp need not be whole, and a float64 divisor would promote the fp32 loss.
@@ -129,7 +130,8 @@ class TokenWeightedLoss:
         if loss is None:
             return None
         value = loss.detach()
-        value = value.full_tensor() if hasattr(value, "full_tensor") else value.clone()  # a DTensor under loss parallelism
+        # a DTensor under loss parallelism
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value.clone()
         mean = self.sum_over_ranks(value) / self.data_parallel_size
         shared = loss + (mean - loss.detach())  # value: the global mean; gradient: this rank's part
         if isinstance(output, tuple):

@@ -81,11 +81,14 @@ def check_hf_pipeline(model: nn.Module) -> None:
     if unknown or set(base_plan) != set(BASE_ROLES):
         raise ValueError(
             f"{cls}'s pipeline plan has blocks {sorted(base_plan) + sorted(head_plan)}; the suite understands exactly "
-            f"{sorted(BASE_ROLES)} + {sorted(HEAD_ROLES)} (unsupported: {unknown or 'a missing block'}). " + _remedy(cls)
+            f"{sorted(BASE_ROLES)} + {sorted(HEAD_ROLES)} (unsupported: {unknown or 'a missing block'}). "
+            + _remedy(cls)
         )
     kinds = set(attention_types(model)) - set(_mask_builders())
     if kinds:
-        raise ValueError(f"{cls} has attention layers of types {sorted(kinds)} the pipeline cannot mask. " + _remedy(cls))
+        raise ValueError(
+            f"{cls} has attention layers of types {sorted(kinds)} the pipeline cannot mask. " + _remedy(cls)
+        )
     if not isinstance(getattr(model.base_model, "rotary_emb", None), nn.Module):
         raise ValueError(f"{cls}'s base model has no rotary_emb to rebuild positions on each stage. " + _remedy(cls))
     if len(model.base_model.layers) != config.num_hidden_layers:
@@ -156,8 +159,11 @@ class HFStage(StageModule):
     def stage_arguments(self, inputs: Any) -> tuple[tuple, dict]:
         return split_hf_inputs(inputs)
 
-    def build_side_inputs(self, hidden: Tensor, attention_mask: Optional[Tensor], position_ids: Optional[Tensor]) -> tuple:
-        """``(masks by attention type, rotary (cos, sin), position ids)`` exactly as the base model's forward builds them."""
+    def build_side_inputs(
+        self, hidden: Tensor, attention_mask: Optional[Tensor], position_ids: Optional[Tensor]
+    ) -> tuple:
+        """``(masks by attention type, rotary (cos, sin), position ids)``
+        exactly as the base model's forward builds them."""
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         builders = _mask_builders()

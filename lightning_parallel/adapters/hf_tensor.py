@@ -89,7 +89,9 @@ def hf_tensor_plan(prefix: str, model: nn.Module, *, sequence_parallel: bool = F
     source = f"the tp_plan of {type(model).__name__}" + (f" (at {prefix!r})" if prefix else "")
     plan = {key: _translate(value, model) for key, value in _model_plan(model).items()}
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = isinstance(inputs, nn.Embedding) and outputs is not None and getattr(outputs, "weight", None) is inputs.weight
+    tied = (
+        isinstance(inputs, nn.Embedding) and outputs is not None and getattr(outputs, "weight", None) is inputs.weight
+    )
     embed = next((name for name, sub in model.named_modules() if sub is inputs), None)
     if plan and tied and embed is not None and embed not in plan:
         # transformers < 5 plans leave the embedding out; the tied head would then be sharded alone.
@@ -156,9 +158,13 @@ def sequence_parallel_entries(model: nn.Module, plan: dict[str, Any]) -> dict[st
             and isinstance(embed, nn.Embedding)):
         raise _refuse_sequence(model, "it is not a decoder laid out as embed_tokens / layers / norm")
     known = {"embed_tokens", "layers", "norm"}
-    extra = [_at(base_name, n) for n, c in base.named_children() if n not in known and any(True for _ in c.parameters())]
+    extra = [
+        _at(base_name, n) for n, c in base.named_children() if n not in known and any(True for _ in c.parameters())
+    ]
     head = model.get_output_embeddings()
-    extra += [n for n, c in model.named_children() if c is not base and c is not head and any(True for _ in c.parameters())]
+    extra += [
+        n for n, c in model.named_children() if c is not base and c is not head and any(True for _ in c.parameters())
+    ]
     if extra:
         raise _refuse_sequence(model, f"{', '.join(extra)} hold parameters outside the decoder layers the suite shards")
     embed_name = _at(base_name, "embed_tokens")

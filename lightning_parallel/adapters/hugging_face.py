@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import nn
 
+from lightning_parallel import _compat
 from lightning_parallel.adapters.hf import causal_lm_loss_terms, causal_lm_valid_count, find_hf_model
 from lightning_parallel.adapters.hf_loss import ACCUMULATION_WARNING, TokenWeightedLoss, group_sum, is_causal_lm
 from lightning_parallel.adapters.hf_pipeline import HFStage, hf_pipeline_layers
@@ -182,6 +183,15 @@ class HuggingFaceAdapter(ModelAdapter):
 
             warnings.warn(ACCUMULATION_WARNING.format(accumulation=accumulate_grad_batches), stacklevel=2)
         return TokenWeightedLoss(self.model, group_sum(group), data_parallel_size)
+
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """The model's own per-module initialiser (``_init_weights``: its ``initializer_range``, norms to one, the
+        rotary ``inv_freq`` from the config) inside the Hugging Face model; the protocol's outside it."""
+        inside = not self.prefix or name == self.prefix or name.startswith(self.prefix + ".")
+        if inside:
+            _compat.hf_init_weights(self.model, module)
+        else:
+            super().init_module(name, module)
 
     def checkpoint_metadata(self) -> dict[str, Any]:
         return {HF_KEY: hugging_face_entry(self.prefix, self.model)}

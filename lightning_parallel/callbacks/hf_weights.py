@@ -33,7 +33,9 @@ def hf_model_prefix(module: pl.LightningModule) -> str:
     """
     prefix = adapt(module).weights_prefix()
     if prefix is None:
-        raise ValueError(f"{type(module).__name__} holds no transformers PreTrainedModel: pass prefix= to HuggingFaceWeights.")
+        raise ValueError(
+            f"{type(module).__name__} holds no transformers PreTrainedModel: pass prefix= to HuggingFaceWeights."
+        )
     return prefix
 
 

@@ -35,7 +35,9 @@ def parse_layout(entry: str) -> tuple[str, int]:
     """``"pipeline:2"`` -> ``("pipeline", 2)``: a ``conf/strategy/`` name and a device count."""
     name, sep, devices = str(entry).rpartition(":")
     if not sep or not name or not devices.strip().isdigit() or int(devices) < 1:
-        raise ConfigError(f"compare.layouts entry {entry!r} is not NAME:DEVICES (e.g. pipeline:2, a conf/strategy/ name).")
+        raise ConfigError(
+            f"compare.layouts entry {entry!r} is not NAME:DEVICES (e.g. pipeline:2, a conf/strategy/ name)."
+        )
     return name.strip(), int(devices)
 
 

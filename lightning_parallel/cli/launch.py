@@ -58,7 +58,7 @@ def processes_to_launch(devices: Any, num_nodes: int) -> int:
     if num_nodes > 1:
         raise ValueError(
             f"trainer.num_nodes={num_nodes} needs a launcher on every node: run under torchrun "
-            "(--nnodes, --node-rank, --rdzv-endpoint) or SLURM (srun, or hydra/launcher=slurm); see the README."
+            "(--nnodes, --node-rank, --rdzv-endpoint) or SLURM (srun, or hydra/launcher=slurm); see docs/cluster.md."
         )
     if isinstance(devices, int) and not isinstance(devices, bool) and devices > 1:
         return devices

@@ -65,8 +65,8 @@ def _wait_for(path: Path, timeout: float = 600.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while not path.is_file():
         if time.monotonic() > deadline:
-            raise ValueError(f"strategy=planned: rank {os.environ.get('RANK')} waited {timeout:.0f} s for rank 0's plan "
-                             f"{path}; across nodes set LP_PLAN_CACHE to a folder every node shares.")
+            raise ValueError(f"strategy=planned: rank {os.environ.get('RANK')} waited {timeout:.0f} s for rank 0's "
+                             f"plan {path}; across nodes set LP_PLAN_CACHE to a folder every node shares.")
         time.sleep(0.5)
     return json.loads(path.read_text())
 
@@ -125,9 +125,9 @@ def check_resolves(c: Candidate, node: dict[str, Any], world: int) -> None:
     layout = resolve_layout(partial(instantiate, node), world)
     got = (layout.data_parallel, layout.pipeline_parallel, layout.tensor_parallel)
     if got != (c.dp, c.pp, c.tp):
-        raise ValueError(f"strategy=planned: the plan {c.name} is data {c.dp} x pipeline {c.pp} x tensor {c.tp}, but its "
-                         f"strategy config runs data {got[0]} x pipeline {got[1]} x tensor {got[2]}: delete the cached "
-                         f"plan in {cache_dir()} (LP_PLAN_CACHE) to plan again.")
+        raise ValueError(f"strategy=planned: the plan {c.name} is data {c.dp} x pipeline {c.pp} x tensor {c.tp}, but "
+                         f"its strategy config runs data {got[0]} x pipeline {got[1]} x tensor {got[2]}: delete the "
+                         f"cached plan in {cache_dir()} (LP_PLAN_CACHE) to plan again.")
 
 
 def plan_if_asked(cfg: Any) -> dict[str, str]:
@@ -152,7 +152,8 @@ def plan_if_asked(cfg: Any) -> dict[str, str]:
         cfg.strategy = OmegaConf.create(node)
         OmegaConf.update(cfg, targets.micro_batch_size, c.batch_size)
     why = (f"fastest predicted of {choice['fit']} layouts that fit on {world} x {choice['cluster']} "
-           f"({choice['throughput']:.4g} samples/s, {choice['memory'] / 2**20:.1f} MiB/rank; {choice['refused']} refused)")
+           f"({choice['throughput']:.4g} samples/s, {choice['memory'] / 2**20:.1f} MiB/rank; "
+           f"{choice['refused']} refused)")
     if choice.get("runner_up"):
         why += f"; next: {choice['runner_up']} ({choice['runner_up_throughput']:.4g} samples/s)"
     return {"planned layout": c.name, "why": why, "plan": f"{path}{' (cached)' if cached else ''}"}

@@ -34,7 +34,9 @@ class ConfigError(ValueError):
 
 def world_size_of(cfg: DictConfig) -> int:
     """Processes in the run: ``trainer.devices x trainer.num_nodes`` (devices as a count)."""
-    devices = OmegaConf.to_container(cfg.trainer.devices) if OmegaConf.is_list(cfg.trainer.devices) else cfg.trainer.devices
+    devices = (
+        OmegaConf.to_container(cfg.trainer.devices) if OmegaConf.is_list(cfg.trainer.devices) else cfg.trainer.devices
+    )
     if isinstance(devices, list):
         devices = len(devices)
     elif isinstance(devices, str) and re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*", devices):

@@ -105,11 +105,12 @@ class ModelAdapter:
         raise ValueError(
             f"{type(self.module).__name__} cannot be split into pipeline stages: it defines no pipeline_layers() and "
             "holds no Hugging Face model. Implement the module protocol (pipeline_layers and pipeline_loss_terms or "
-            "pipeline_loss; see lightning_parallel/protocol.py and the README)."
+            "pipeline_loss; see lightning_parallel/protocol.py and docs/protocol.md)."
         )
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
-        """``(inputs, targets)`` of one batch: the module's ``pipeline_split_batch``, else an ``(inputs, targets)`` pair.
+        """``(inputs, targets)`` of one batch: the module's ``pipeline_split_batch``,
+        else an ``(inputs, targets)`` pair.
 
         Args:
             batch: one batch from the data loader.
@@ -179,6 +180,21 @@ class ModelAdapter:
             warn: whether this rank prints warnings (``rank == 0``).
         """
         return None
+
+    # Initialisation after building on meta --------------------------------------------------
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """Initialise ``module``'s own parameters and buffers in place (its copy, at full size, on the CPU).
+
+        The protocol's answer is torch's convention, ``module.reset_parameters()``
+        (:func:`~lightning_parallel.parallel.materialize.reset_parameters`).
+
+        Args:
+            name: the module's name in the unsplit model.
+            module: the module (a copy of it) to initialise.
+        """
+        from lightning_parallel.parallel.materialize import reset_parameters
+
+        reset_parameters(name, module)
 
     # Checkpoints and weights ---------------------------------------------------------------
     def checkpoint_metadata(self) -> dict[str, Any]:

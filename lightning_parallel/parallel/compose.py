@@ -43,18 +43,14 @@ from lightning_parallel.layout import TENSOR_PARALLEL, ParallelLayout
 from lightning_parallel.parallel import activation_checkpoint
 from lightning_parallel.parallel.adapter import ModelAdapter
 from lightning_parallel.parallel.data import data_axis_mesh, shard_data_axis, uses_data_axis
+from lightning_parallel.parallel.materialize import InitPlan, Materialization, materialize, plan_initialisation
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.pipeline import tied as pipeline_tied
-from lightning_parallel.parallel.pipeline.chain_check import check_chain, on_meta
-from lightning_parallel.parallel.pipeline.partition import partition_layers, stage_of_layer
-from lightning_parallel.parallel.pipeline.plan import PipelinePlan
-from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, stage_ids_for_rank, validate_schedule
+from lightning_parallel.parallel.pipeline.chain_check import on_meta
+from lightning_parallel.parallel.pipeline.cut import check_pipeline, last_stage_rank, split_pipeline, tie_copies
 from lightning_parallel.parallel.pipeline.stages import (
     PipelineSplit,
     RemovedLayer,
-    layer_names,
-    shared_parameters,
-    split_module,
 )
 from lightning_parallel.parallel.precision import fsdp_policy
 from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, resolve_plan, validate_tensor_parallel
@@ -195,28 +191,6 @@ def check_tensor(
     return plan
 
 
-def check_pipeline(
-    module: nn.Module, layout: ParallelLayout, options: ParallelOptions, *, adapter: Optional[ModelAdapter] = None
-) -> PipelinePlan:
-    """The pipeline half of :func:`check_module`; returns the adapter's pipeline plan."""
-    plan = (adapter or ModelAdapter.resolve(module)).pipeline_plan()
-    validate_schedule(options.schedule, layout.pipeline_parallel, options.stages_per_rank, options.microbatches)
-    activation_checkpoint.check_schedule(options.activation_checkpointing, options.schedule)
-    num_layers, num_stages = len(plan.layers), options.num_stages(layout.pipeline_parallel)
-    if num_layers < num_stages:
-        fits = num_layers // layout.pipeline_parallel
-        remedy = (f"stages_per_rank <= {fits}" if fits >= 1 else f"pipeline_parallel_size <= {num_layers}")
-        raise ValueError(
-            f"{type(module).__name__} has {num_layers} pipeline layers, fewer than the {num_stages} stages of "
-            f"pipeline_parallel_size={layout.pipeline_parallel} x stages_per_rank={options.stages_per_rank}: "
-            f"every stage needs a layer. Fix: {remedy}, or a model with more layers."
-        )
-    _check_pipeline_layers(module, plan, layout, options)
-    if plan.sample is not None and not on_meta(module):
-        check_chain(module, list(zip(plan.names, plan.layers)), plan.make_stage, plan.sample, plan.source)
-    return plan
-
-
 def is_parallelized(module: nn.Module) -> bool:
     """Whether ``module`` was already split or sharded (placeholders, DTensor parameters or FSDP2 units)."""
     from torch.distributed.fsdp import FSDPModule
@@ -227,83 +201,12 @@ def is_parallelized(module: nn.Module) -> bool:
     )
 
 
-def last_stage_rank(layout: ParallelLayout, options: ParallelOptions, rank: int) -> int:
-    """Global rank that holds the last pipeline stage in ``rank``'s pipeline (same data and tensor coordinates)."""
-    coords = layout.coordinates(rank)
-    num_stages = options.num_stages(layout.pipeline_parallel)
-    holder = next(
-        r
-        for r in range(layout.pipeline_parallel)
-        if num_stages - 1 in stage_ids_for_rank(options.schedule, r, layout.pipeline_parallel, options.stages_per_rank)
-    )
-    return layout.rank_at(coords.data, holder, coords.tensor)
-
-
-def _check_pipeline_layers(module: nn.Module, plan: PipelinePlan, layout: ParallelLayout,
-                           options: ParallelOptions) -> None:
-    if options.partition == "time" and not plan.timeable:
-        raise ValueError(
-            f"partition='time' times each layer on one tensor, but {plan.source}'s decoder layers also need masks and "
-            "rotary positions: use partition='parameters', 'uniform' or explicit cut points."
-        )
-    layer_names(module, plan.layers)  # every parameter in some layer, layers not nested
-    shared = shared_parameters(plan.names, plan.layers)
-    if shared and uses_data_axis(layout, options.zero_stage) and SCHEDULES[options.schedule][2] == "v":
-        tied = ", ".join(holders[0][1] for holders in shared)
-        raise ValueError(
-            f"{type(module).__name__} ties parameters across pipeline layers ({tied}); schedule={options.schedule!r} "
-            "puts the first and the last stage on one rank, two stage modules holding one tied parameter, which "
-            f"FSDP2 (the data axis, zero_stage={options.zero_stage}) cannot wrap twice. Fix: a loop schedule "
-            "('1f1b', 'interleaved_1f1b'), data_parallel_size=1, or untie them."
-        )
-
-
-def split_pipeline(
-    module: nn.Module,
-    layout: ParallelLayout,
-    options: ParallelOptions,
-    rank: int,
-    layer_times: Optional[Sequence[float]] = None,
-    plan: Optional[PipelinePlan] = None,
-) -> tuple[PipelineSplit, list[nn.Module], list[int]]:
-    """Cut ``module`` into stages and keep this rank's (step 1 of :func:`parallelize`).
-
-    ``plan`` is the adapter's pipeline plan (default: ``ModelAdapter.resolve(module).pipeline_plan()``).
-    """
-    plan = plan or ModelAdapter.resolve(module).pipeline_plan()
-    num_stages = options.num_stages(layout.pipeline_parallel)
-    bounds = partition_layers(plan.layers, num_stages, options.partition, layer_times)
-    pipeline_rank = layout.coordinates(rank).pipeline
-    stage_ids = stage_ids_for_rank(options.schedule, pipeline_rank, layout.pipeline_parallel, options.stages_per_rank)
-    split, stages = split_module(module, plan.layers, bounds, stage_ids, plan.make_stage)
-    return split, stages, stage_ids
-
-
-def tied_copies(split: PipelineSplit, layout: ParallelLayout, options: ParallelOptions, rank: int) -> list:
-    """This rank's parameters tied to copies on other pipeline ranks (embedding and LM head)."""
-    coords = layout.coordinates(rank)
-    rank_of_stage = [0] * split.num_stages
-    for pipeline_rank in range(layout.pipeline_parallel):
-        for stage in stage_ids_for_rank(options.schedule, pipeline_rank, layout.pipeline_parallel, options.stages_per_rank):
-            rank_of_stage[stage] = layout.rank_at(coords.data, pipeline_rank, coords.tensor)
-    return pipeline_tied.local_tied_copies(split.shared, stage_of_layer(list(split.bounds)), rank_of_stage, rank)
-
-
-def _tie_copies(module: nn.Module, split: PipelineSplit, stages: list, layout: ParallelLayout,
-                options: ParallelOptions, rank: int) -> list:
-    tied = tied_copies(split, layout, options, rank)
-    pipeline_tied.broadcast_tied(module, tied)  # the copies start equal whatever each rank initialised
-    stages[0].tied = tuple(tied)  # the runner finds them there and keeps their gradients summed
-    return tied
-
-
 def _data_axis_layers(module: nn.Module, split: Optional[PipelineSplit], adapter: ModelAdapter) -> list[nn.Module]:
     """Layers that become their own FSDP2 unit: not those holding a tied parameter (their stage root takes it)."""
     if split is None:
         return adapter.layers()
     tied = {index for holders in split.shared for index, _ in holders}
     return [module.get_submodule(name) for index, name in enumerate(split.names) if index not in tied]
-
 
 
 def _refuse_parallelized(module: nn.Module) -> None:
@@ -336,8 +239,8 @@ def _wrap_data_axis(module: nn.Module, layout: ParallelLayout, options: Parallel
     # (4) zero_stage=0 keeps its parameters in their own dtype (no FSDP2 cast); reductions are fp32.
     policy = fsdp_policy(precision, options, layout)
     roots = stages or adapter.data_axis_roots()
-    shard_data_axis(_data_axis_layers(module, split, adapter), roots, dp_mesh, options.zero_stage, policy, options.bucket_bytes,
-                    options.fsdp_prefetch)
+    shard_data_axis(_data_axis_layers(module, split, adapter), roots, dp_mesh, options.zero_stage, policy,
+                    options.bucket_bytes, options.fsdp_prefetch)
 
 
 def parallelize(
@@ -351,12 +254,13 @@ def parallelize(
     precision: str = "32-true",
     data_mesh: Optional[DeviceMesh] = None,
     adapter: Optional[ModelAdapter] = None,
+    materialization: Optional[Materialization] = None,
 ) -> Parallelized:
     """Split, shard and wrap ``module`` in place for this rank of ``layout`` (see the module docstring for the order).
 
     Args:
-        module: the whole model, materialised on its device in its training precision
-            (converting or moving it afterwards would drop TP's gradient-placement hooks).
+        module: the whole model in its training precision, on its device or on ``meta`` (then only this
+            rank's share is ever allocated: ``materialization`` says where and from which seed).
         layout: the resolved layout.
         mesh: the 3-D mesh ``layout.build_mesh`` made (axes data, pipeline, tensor).
         options: the run's options.
@@ -367,26 +271,44 @@ def parallelize(
         data_mesh: ``mesh``'s data axis unflattened to ``(data_replicate, data_shard)``, for ``zero_stage=0``
             with data parallelism and for HSDP (:func:`~lightning_parallel.parallel.data.data_axis_mesh`).
         adapter: the model's adapter, resolved once by the strategy (default: ``ModelAdapter.resolve(module)``).
+        materialization: device and seed for a model built on ``meta`` (required for one).
 
     Returns:
         A :class:`Parallelized` describing the result.
 
     Raises:
-        ValueError: ``module`` was parallelised before, or any check of :func:`check_module`.
+        ValueError: ``module`` was parallelised before, is on ``meta`` without ``materialization``, or any
+            check of :func:`check_module`.
     """
     _refuse_parallelized(module)
     adapter = adapter or ModelAdapter.resolve(module)
+    init_plan = _plan_materialization(module, adapter, materialization)
     pipe = check_pipeline(module, layout, options, adapter=adapter) if layout.pipeline_parallel_enabled else None
     plan = check_tensor(module, layout, options, adapter=adapter)
     split, stages, stage_ids, last, tied = None, [], [], None, []
     if pipe is not None:
         split, stages, stage_ids = split_pipeline(module, layout, options, rank, layer_times, pipe)
-        last, tied = last_stage_rank(layout, options, rank), _tie_copies(module, split, stages, layout, options, rank)
+        last, tied = last_stage_rank(layout, options, rank), tie_copies(module, split, stages, layout, options, rank)
         on_split(split) if on_split is not None else None
     _apply_local_plan(module, layout, mesh, plan, adapter)
     checkpoint_activations(module, options.activation_checkpointing, split, adapter=adapter)
     _wrap_data_axis(module, layout, options, (mesh, data_mesh), split, stages, precision, adapter)
-    pipeline_tied.mark_copies(module, tied)  # after FSDP2/TP replaced the parameter objects
+    if init_plan is not None:  # (7) only now is anything allocated: this rank's share
+        materialize(module, materialization.device, init_plan, adapter.init_module)
+    pipeline_tied.mark_copies(module, tied)  # after FSDP2/TP/to_empty replaced the parameter objects
     loss_fn, count = (pipe.loss_fn, pipe.count_items) if pipe is not None else (None, None)
-    return Parallelized(layout, options, plan, split, tuple(stages), tuple(stage_ids), last, loss_fn, count, tuple(tied),
-                        adapter, pipe is not None and pipe.loss_terms)
+    return Parallelized(layout, options, plan, split, tuple(stages), tuple(stage_ids), last, loss_fn, count,
+                        tuple(tied), adapter, pipe is not None and pipe.loss_terms)
+
+
+def _plan_materialization(module: nn.Module, adapter: ModelAdapter,
+                          materialization: Optional[Materialization]) -> Optional[InitPlan]:
+    """The initialisation plan of a ``meta`` model (None for one that has its storage already)."""
+    if not on_meta(module):
+        return None
+    if materialization is None:
+        raise ValueError(
+            f"{type(module).__name__} is on the meta device: pass materialization=Materialization(device, seed) so "
+            "parallelize allocates and initialises this rank's share, or build the model with storage."
+        )
+    return plan_initialisation(module, materialization.seed, adapter.init_module)

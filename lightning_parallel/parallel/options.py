@@ -215,7 +215,8 @@ class ParallelOptions:
         if not self.zero_stage:
             raise ValueError(
                 f"fsdp_prefetch={depth} issues the all-gathers of sharded parameters early, but zero_stage=0 keeps "
-                "the whole model on every data rank (nothing is gathered). Use zero_stage=2 or 3, or drop fsdp_prefetch."
+                "the whole model on every data rank (nothing is gathered). "
+                "Use zero_stage=2 or 3, or drop fsdp_prefetch."
             )
 
     @property
@@ -226,7 +227,9 @@ class ParallelOptions:
         return int((25 if self.bucket_size_mb is None else self.bucket_size_mb) * 2**20)
 
     def _check_data_split(self) -> None:
-        split = {n: getattr(self, n) for n in ("data_replicate_size", "data_shard_size") if getattr(self, n) is not None}
+        split = {
+            n: getattr(self, n) for n in ("data_replicate_size", "data_shard_size") if getattr(self, n) is not None
+        }
         for name, value in split.items():
             if value == "auto":
                 raise ValueError(f"{name}='auto' is not supported: give a size, or leave it None (derived).")

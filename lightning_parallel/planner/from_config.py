@@ -58,7 +58,7 @@ def shape_of(cfg: Any) -> ModelShape:
     model = instantiate(cfg.model)
     if not hasattr(model, "pipeline_layers"):
         raise ValueError(f"{type(model).__name__} offers no pipeline_layers(): the planner measures a model layer by "
-                         "layer (see the module protocol in the README), or plan a published shape with --shape.")
+                         "layer (see the module protocol in docs/protocol.md), or plan a published shape with --shape.")
     data = instantiate(cfg.data)
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))

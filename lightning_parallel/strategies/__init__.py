@@ -21,4 +21,10 @@ def register_all(registry=StrategyRegistry) -> None:
 
 register_all()
 
-__all__ = ["DeepSpeedDataParallelStrategy", "HybridParallelStrategy", "PipelineParallelStrategy", "TensorParallelStrategy", "register_all"]
+__all__ = [
+    "DeepSpeedDataParallelStrategy",
+    "HybridParallelStrategy",
+    "PipelineParallelStrategy",
+    "TensorParallelStrategy",
+    "register_all",
+]

@@ -67,8 +67,10 @@ from lightning_parallel.strategies.resolved_adapter import resolved_adapter
 # Names registered by DeepSpeedDataParallelStrategy.register_strategies -> constructor arguments.
 REGISTERED = {
     "deepspeed_zero1": ("DeepSpeed ZeRO stage 1 (optimizer state sharded), CPU or CUDA", {"zero_stage": 1}),
-    "deepspeed_zero2": ("DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded), CPU or CUDA", {"zero_stage": 2}),
-    "deepspeed_zero3": ("DeepSpeed ZeRO stage 3 (optimizer state, gradients and parameters sharded)", {"zero_stage": 3}),
+    "deepspeed_zero2": ("DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded), CPU or CUDA",
+                        {"zero_stage": 2}),
+    "deepspeed_zero3": ("DeepSpeed ZeRO stage 3 (optimizer state, gradients and parameters sharded)",
+                        {"zero_stage": 3}),
     "deepspeed_zero3_offload": ("DeepSpeed ZeRO stage 3 with optimizer state and parameters offloaded to CPU memory",
                                 {"zero_stage": 3, "offload_optimizer": True, "offload_parameters": True}),
 }
@@ -87,7 +89,8 @@ class _ZeRO3ForwardRedirection(DDPForwardRedirection):
     """
 
     @override
-    def __call__(self, wrapper_module: Module, original_module: Any, method_name: str, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, wrapper_module: Module, original_module: Any, method_name: str,
+                 *args: Any, **kwargs: Any) -> Any:
         coordinator = zero3_param_coordinator(wrapper_module)
         if coordinator is None or "reset_step" in vars(coordinator):
             return super().__call__(wrapper_module, original_module, method_name, *args, **kwargs)
@@ -174,7 +177,9 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
         activation_checkpointing: Union[str, list[str]] = "none", stage: Optional[int] = None,
     ) -> None:
         stage = resolve_zero_stage(zero_stage, stage)  # zero_stage, or its deprecated name
-        self.activation_checkpointing = ac.check_deepspeed_stage(ac.check_choice(plain(activation_checkpointing)), stage)
+        self.activation_checkpointing = ac.check_deepspeed_stage(
+            ac.check_choice(plain(activation_checkpointing)), stage
+        )
         merged = build_zero_config(stage, offload_optimizer, offload_parameters, config)
         timeout = as_timeout(timeout)
         super().__init__(accelerator=accelerator, config=merged, logging_level=logging_level,
@@ -263,7 +268,8 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
             return super().training_step(*args, **kwargs)
 
     @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any,
+                 **kwargs: Any) -> torch.Tensor:
         """Back-propagate through the DeepSpeed engine without dividing by the accumulation steps again.
 
         Note:
@@ -291,13 +297,9 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
         import deepspeed
 
         engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=self._engine_args(),
-            config=self.config,
-            model=model,
+            args=self._engine_args(), config=self.config, model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            dist_init_required=False,
+            optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False,
         )
         return engine, ds_optimizer
 
@@ -316,27 +318,25 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
             inference_config["zero_optimization"] = self.config["zero_optimization"]
         remove_module_hooks(model)
         self.model, _, _, _ = deepspeed.initialize(
-            args=self._engine_args(),
-            config=inference_config,
-            model=model,
-            optimizer=None,
-            lr_scheduler=None,
-            model_parameters=[],
-            dist_init_required=False,
+            args=self._engine_args(), config=inference_config, model=model, optimizer=None, lr_scheduler=None,
+            model_parameters=[], dist_init_required=False,
         )
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Lightning's DeepSpeed folder, plus the ``hugging_face`` entry ``lp-convert --to hf`` builds the model from."""
+        """Lightning's DeepSpeed folder, plus the ``hugging_face`` entry ``lp-convert --to hf``
+        builds the model from."""
         checkpoint.update(resolved_adapter(self).checkpoint_metadata())
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """DeepSpeed's own folders (and, with ``load_full_weights`` under ZeRO-3, one file); anything else refused with the fix."""
+        """DeepSpeed's own folders (and, with ``load_full_weights`` under ZeRO-3, one file);
+        anything else refused with the fix."""
         path = Path(self.broadcast(str(checkpoint_path)))
         writer, description = describe_checkpoint(path)
-        if writer == "deepspeed" or (writer == "lightning-single-file" and self.load_full_weights and self.zero_stage_3):
+        if writer == "deepspeed" or (writer == "lightning-single-file" and self.load_full_weights
+                                     and self.zero_stage_3):
             return super().load_checkpoint(checkpoint_path, weights_only)
         if writer == "unknown":
             raise unreadable_checkpoint_error(path, reader=type(self).__name__)
@@ -370,9 +370,9 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
         apply_precision(self.config, self.precision_plugin.precision, self.device_type)
         rank_zero_info(
             f"DeepSpeed ZeRO-{self.zero_stage} on {self.device_type}: micro-batch "
-            f"{self.config['train_micro_batch_size_per_gpu']} x accumulation {self.config['gradient_accumulation_steps']}"
-            f" x {self.world_size} ranks = {self.config['train_batch_size']} samples per step, "
-            f"clipping {self.config['gradient_clipping']}"
+            f"{self.config['train_micro_batch_size_per_gpu']} x accumulation "
+            f"{self.config['gradient_accumulation_steps']} x {self.world_size} ranks = "
+            f"{self.config['train_batch_size']} samples per step, clipping {self.config['gradient_clipping']}"
         )
 
 

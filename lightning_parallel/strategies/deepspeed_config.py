@@ -61,7 +61,9 @@ def load_raw_config(config: RawConfig) -> dict[str, Any]:
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
         if not path.is_file():
-            raise ValueError(f"DeepSpeed config file {str(path)!r} does not exist: pass an existing JSON file or a dict.")
+            raise ValueError(
+                f"DeepSpeed config file {str(path)!r} does not exist: pass an existing JSON file or a dict."
+            )
         try:
             loaded = json.loads(path.read_text())
         except json.JSONDecodeError as err:
@@ -222,7 +224,9 @@ def apply_trainer_settings(
         ValueError: the raw config states one of these with another value.
     """
     _check_same(config, "train_micro_batch_size_per_gpu", int(micro_batch_size), "the train dataloader's batch_size")
-    _check_same(config, "gradient_accumulation_steps", int(accumulate_grad_batches), "Trainer(accumulate_grad_batches=...)")
+    _check_same(
+        config, "gradient_accumulation_steps", int(accumulate_grad_batches), "Trainer(accumulate_grad_batches=...)"
+    )
     # 0 when the Trainer does not clip: DeepSpeed would otherwise clip at its default 1.0.
     _check_same(config, "gradient_clipping", float(gradient_clip_val or 0.0), "Trainer(gradient_clip_val=...)")
     global_batch = int(micro_batch_size) * int(accumulate_grad_batches) * int(data_parallel_size)
@@ -263,7 +267,9 @@ def apply_precision(config: dict[str, Any], precision: str, device_type: str) ->
         _apply_block(config, key, enabled, precision)
     if wanted["torch_autocast"]:
         _check_same(config["torch_autocast"], "dtype", "bfloat16", "Trainer(precision='bf16-mixed')")
-        _check_same(config["torch_autocast"], "lower_precision_safe_modules", [], "the suite (fp32 gradient reductions)")
+        _check_same(
+            config["torch_autocast"], "lower_precision_safe_modules", [], "the suite (fp32 gradient reductions)"
+        )
     if wanted["bf16"]:
         _check_same(config, "communication_data_type", "fp32", "the suite (fp32 gradient reductions)")
     return config

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -34,8 +36,10 @@ from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout
 from lightning_parallel.parallel.activation_checkpoint import describe_choice
 from lightning_parallel.parallel.compose import Parallelized, check_module, parallelize
 from lightning_parallel.parallel.data import build_data_mesh, deferred_gradient_sync
+from lightning_parallel.parallel.materialize import Materialization
 from lightning_parallel.parallel.options import ZERO_DESCRIPTIONS, ParallelOptions, options_from
 from lightning_parallel.parallel.pipeline import tied as pipeline_tied
+from lightning_parallel.parallel.pipeline.chain_check import on_meta
 from lightning_parallel.parallel.pipeline.partition import measure_layer_times
 from lightning_parallel.parallel.pipeline.stages import PipelineSplit
 from lightning_parallel.parallel.precision import check_precision, describe_precision
@@ -126,8 +130,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
             num_nodes: nodes in the run, for the messages (default: the strategy's).
         """
         o = self.options
-        return ParallelLayout.resolve(world_size, o.data_parallel_size, o.pipeline_parallel_size, o.tensor_parallel_size,
-                                      names=names or _SIZE_NAMES, num_nodes=num_nodes or self.num_nodes,
+        return ParallelLayout.resolve(world_size, o.data_parallel_size, o.pipeline_parallel_size,
+                                      o.tensor_parallel_size, names=names or _SIZE_NAMES,
+                                      num_nodes=num_nodes or self.num_nodes,
                                       data_replicate=o.data_replicate_size, data_shard=o.data_shard_size)
 
     def startup_rows(self, layout: ParallelLayout) -> dict[str, str]:
@@ -143,7 +148,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if layout.tensor_parallel_enabled:
             rows["tensor"] = f"sequence_parallel={o.sequence_parallel}, loss_parallel={o.loss_parallel}"
         rows["data"] = ZERO_DESCRIPTIONS[o.zero_stage] + (
-            f"; HSDP {layout.data_replicate} replica groups x {layout.data_shard} shards" if layout.hsdp_enabled else "")
+            f"; HSDP {layout.data_replicate} replica groups x {layout.data_shard} shards" if layout.hsdp_enabled else ""
+        )
         rows["precision"] = describe_precision(str(self.precision_plugin.precision), o, layout)
         rows["activation checkpointing"] = describe_choice(o.activation_checkpointing)
         rows.update(rank_map_rows(layout))
@@ -175,9 +181,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if self.layout.pipeline_parallel_enabled and not self.options.save_distributed_checkpoint:
             raise ValueError(
                 "save_distributed_checkpoint=False gathers one file on rank 0, which holds only the first pipeline "
-                "stage: keep save_distributed_checkpoint=True under pipeline parallelism (the folder loads under any layout)."
+                "stage: keep save_distributed_checkpoint=True under pipeline parallelism "
+                "(the folder loads under any layout)."
             )
-        check_module(self.lightning_module, self.layout, self.options, adapter=self.adapter)
+        if not is_overridden("configure_model", self.lightning_module):  # else checked on meta in setup
+            check_module(self.lightning_module, self.layout, self.options, adapter=self.adapter)
         check_precision(self.precision_plugin.precision, self.options, self.layout)
         _compat.init_model_parallel_process_group(self)
         self._mesh = self.layout.build_mesh(self.root_device.type)
@@ -191,13 +199,21 @@ class HybridParallelStrategy(ModelParallelStrategy):
         return resolved_adapter(self)
 
     @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Iterator[None]:
+        """Modules created in ``configure_model`` or ``trainer.init_module()`` are built on ``meta`` unless
+        ``empty_init=False``: ``setup`` then allocates only this rank's share (:mod:`~.parallel.materialize`)."""
+        with super().tensor_init_context(empty_init=empty_init is not False):
+            yield
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         self.accelerator.setup(trainer)
-        _compat.materialize_distributed_module(self.model, self.root_device)
         # Precision and device first: converting or moving after parallelisation would
         # replace the DTensor parameters and drop the gradient-placement hooks TP puts on them.
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        if not on_meta(self.model):  # a meta model gets its device when materialised, share by share
+            self.model_to_device()
         self._parallelize(self.lightning_module, trainer)
         self._executor = executors.choose_executor(self, self.parallelized)
         if not isinstance(self.precision_plugin, GlobalNormClipping):
@@ -220,10 +236,18 @@ class HybridParallelStrategy(ModelParallelStrategy):
             return  # fit() then validate/test/predict() with the same Trainer: already split and sharded
         layout, adapter = self.layout, resolved_adapter(self, refresh=True)  # after configure_model: what it built
         timed = layout.pipeline_parallel_enabled and self.options.partition == "time"
+        if timed and on_meta(module):
+            raise ValueError("partition='time' times each layer, but the model is on the meta device (built in "
+                             "configure_model): use partition='parameters' or explicit cut points.")
         times = self._agreed_layer_times(module, trainer) if timed else None
+        seed = int(self.broadcast(torch.initial_seed()))  # meta init: one seed on every rank, seeded or not
+        if not on_meta(module) and (layout.world_size > layout.data_parallel or self.options.zero_stage == 3):
+            rank_zero_info(f"lightning_parallel: {type(module).__name__} was built with storage, so every rank held "
+                           "the whole model before the split; build it in configure_model() to hold only its share.")
         self.parallelized = parallelize(
             module, layout, self.device_mesh, self.options, self.global_rank, times, on_split=self._print_split,
             precision=str(self.precision_plugin.precision), data_mesh=self._data_mesh, adapter=adapter,
+            materialization=Materialization(self.root_device, seed),
         )
         self._parallelized_module = weakref.ref(module)
 
@@ -308,25 +332,31 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if not self.options.save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes with DCP).")
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes with DCP)."
+            )
         path = Path(self.broadcast(str(filepath)))
         checkpoint["lightning_parallel"] = {
             "layout": self.layout.shape, "zero_stage": self.options.zero_stage, "schedule": self.options.schedule
         }
         # The configure_optimizers order of parameters (a collective: every rank saves), so
         # `lp-convert --to lightning` can key optimizer state by index as Lightning does.
-        checkpoint["lightning_parallel"].update(parameter_order_entry(self.model, [_unwrap(o) for o in self.optimizers]))
+        checkpoint["lightning_parallel"].update(
+            parameter_order_entry(self.model, [_unwrap(o) for o in self.optimizers])
+        )
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         save_sharded_checkpoint(path, state, checkpoint, self.global_rank == 0, self.barrier)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load ``checkpoint_path`` from any writer the suite reads, resharded onto this layout (see the class docstring)."""
+        """Load ``checkpoint_path`` from any writer the suite reads, resharded onto this layout
+        (see the class docstring)."""
         path = resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
         if not path.exists():
             raise FileNotFoundError(
-                f"Checkpoint {str(path)!r} does not exist: check ckpt_path (ModelCheckpoint names files by its filename=)."
+                f"Checkpoint {str(path)!r} does not exist: "
+                "check ckpt_path (ModelCheckpoint names files by its filename=)."
             )
         return resume_from(
             path, self.model, [_unwrap(o) for o in self.optimizers], strict=self.lightning_module.strict_loading,

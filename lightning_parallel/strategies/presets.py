@@ -40,7 +40,8 @@ class PipelineParallelStrategy(HybridParallelStrategy):
 
     def __init__(self, options: Optional[ParallelOptions] = None, *, process_group_backend: Optional[str] = None,
                  load_optimizer_state: bool = True, **option_kwargs: Any) -> None:
-        super().__init__(options, process_group_backend=process_group_backend, load_optimizer_state=load_optimizer_state,
+        super().__init__(options, process_group_backend=process_group_backend,
+                         load_optimizer_state=load_optimizer_state,
                          **_preset_sizes("pipeline_parallel_size", options, option_kwargs))
 
 
@@ -63,5 +64,6 @@ class TensorParallelStrategy(HybridParallelStrategy):
 
     def __init__(self, options: Optional[ParallelOptions] = None, *, process_group_backend: Optional[str] = None,
                  load_optimizer_state: bool = True, **option_kwargs: Any) -> None:
-        super().__init__(options, process_group_backend=process_group_backend, load_optimizer_state=load_optimizer_state,
+        super().__init__(options, process_group_backend=process_group_backend,
+                         load_optimizer_state=load_optimizer_state,
                          **_preset_sizes("tensor_parallel_size", options, option_kwargs))

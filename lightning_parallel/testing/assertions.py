@@ -65,8 +65,13 @@ def assert_layouts_match(
     """:func:`~lightning_parallel.testing.compare.compare_layouts`, failing with the per-step table unless all match.
 
     Args:
-        module_factory, datamodule_factory, layouts, steps, tolerance, trainer_kwargs: see ``compare_layouts``.
+        module_factory: see ``compare_layouts``.
+        datamodule_factory: see ``compare_layouts``.
+        layouts: see ``compare_layouts``.
+        steps: see ``compare_layouts``.
+        tolerance: see ``compare_layouts``.
         same_loss_on_every_rank: also require every rank of a layout to report the very same losses.
+        trainer_kwargs: see ``compare_layouts``.
         **kwargs: ``seed``, ``accelerator``, ``timeout``.
     """
     case = Case(module_factory, datamodule_factory, dict(trainer_kwargs or {}))

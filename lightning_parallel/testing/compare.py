@@ -242,8 +242,9 @@ def _derived_tolerances(cases: Mapping[str, Case], reference: Layout, steps: int
     derived = {}
     for name, case in cases.items():
         precision = case.trainer_kwargs.get("precision", reference.trainer_kwargs.get("precision", "32-true"))
-        own = LayoutComparison.build([_runs(spec, per_rank, name) for spec, per_rank in zip((fp32, reference), launches)],
-                                     math.inf).diffs[0]
+        own = LayoutComparison.build(
+            [_runs(spec, per_rank, name) for spec, per_rank in zip((fp32, reference), launches)], math.inf
+        ).diffs[0]
         error = max(own.loss, own.grad_norm_relative, own.parameter[1])
         tolerance = AUTO_TOLERANCE_FACTOR * error if error > 0 else 1e-5
         derived[name] = (tolerance, f"lp-compare: tolerance {tolerance:.3e} = {AUTO_TOLERANCE_FACTOR:g} x the largest "
@@ -267,7 +268,12 @@ def compare_cases(
     Args:
         cases: name -> :class:`Case`.
         layouts: see :func:`compare_layouts`; the first is the reference.
-        steps, tolerance, seed, accelerator, timeout, trace: see :func:`compare_layouts`.
+        steps: see :func:`compare_layouts`.
+        tolerance: see :func:`compare_layouts`.
+        seed: see :func:`compare_layouts`.
+        accelerator: see :func:`compare_layouts`.
+        timeout: see :func:`compare_layouts`.
+        trace: see :func:`compare_layouts`.
 
     Returns:
         name -> :class:`LayoutComparison` of that case.
@@ -288,7 +294,9 @@ def compare_cases(
     for name, result in results.items():
         if trace and result.first_divergence is not None:
             diverging = next(spec for spec in specs if spec.label == result.first_divergence[1])
-            trace_divergence(cases[name], specs[0], diverging, result, seed=seed, accelerator=accelerator, timeout=timeout)
+            trace_divergence(
+                cases[name], specs[0], diverging, result, seed=seed, accelerator=accelerator, timeout=timeout
+            )
     return results
 
 

@@ -105,6 +105,33 @@ class ResidualMLP(pl.LightningModule):
         return factory(self.parameters())
 
 
+class DeferredResidualMLP(ResidualMLP):
+    """:class:`ResidualMLP` built in ``configure_model`` -- Lightning's recipe for models larger than a device.
+
+    Under the suite's strategies the layers are created on the ``meta`` device and each rank allocates only
+    its share; under Lightning's own strategies they are built with storage as usual.
+
+    Args:
+        width: feature width.
+        depth: number of residual blocks.
+        hidden: hidden width of each block (default ``2 * width``).
+        optimizer: as for :class:`ResidualMLP`.
+    """
+
+    def __init__(self, width: int = 32, depth: int = 4, hidden: int | None = None, optimizer: Any = "sgd") -> None:
+        pl.LightningModule.__init__(self)
+        self.optimizer_choice = optimizer
+        self.sizes = (width, depth, hidden or 2 * width)
+
+    def configure_model(self) -> None:
+        if hasattr(self, "inp"):
+            return  # fit then test with one Trainer: built once
+        width, depth, hidden = self.sizes
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleDict({str(i): ResidualBlock(width, hidden) for i in range(depth)})
+        self.out = nn.Linear(width, width)
+
+
 def regression_dataset(samples: int, width: int, seed: int = 0) -> TensorDataset:
     """A fixed random regression problem: targets are a smooth function of the inputs plus noise."""
     generator = torch.Generator().manual_seed(seed)

@@ -1,7 +1,7 @@
 """A tiny slice of the benchmark runner: one layout, one pipeline schedule, every output file written.
 
 Times are never asserted (the machine is shared); only that the files exist with the keys the
-README and report rely on.
+report and docs/performance.md rely on.
 """
 
 import csv

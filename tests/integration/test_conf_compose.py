@@ -27,7 +27,8 @@ def test_every_group_has_options():
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}/{o}" for g, o in OPTIONS])
 def test_option_composes_and_resolves(group, option):
-    if group == "cluster":  # not a Hydra group: cluster descriptions the planner reads (strategy.cluster, lp-plan --cluster)
+    # cluster is not a Hydra group: cluster descriptions the planner reads (strategy.cluster, lp-plan --cluster)
+    if group == "cluster":
         from lightning_parallel.planner.cluster import load_cluster
 
         assert load_cluster(option, Path(CONFIG_DIR)).devices_per_node >= 1

@@ -62,7 +62,9 @@ def test_a_broken_link_or_a_missing_reference_fails_the_build(tmp_path):
 
 def test_readme_is_a_front_door():
     lines = len(README.read_text().splitlines())
-    assert lines <= MAX_README_LINES, f"README.md has {lines} lines; move sections into docs/ (at most {MAX_README_LINES})"
+    assert lines <= MAX_README_LINES, (
+        f"README.md has {lines} lines; move sections into docs/ (at most {MAX_README_LINES})"
+    )
 
 
 def _slug(heading: str) -> str:

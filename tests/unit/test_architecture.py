@@ -1,4 +1,4 @@
-"""The package's import rules and size limits (README "Architecture"), checked statically on the source.
+"""The package's import rules and size limits (docs/architecture.md), checked statically on the source.
 
 Pure ``ast`` analysis: nothing under test is imported, so the file runs in a fraction of a second.
 An import counts wherever it sits (inside a function too) unless it is under ``if TYPE_CHECKING:``,

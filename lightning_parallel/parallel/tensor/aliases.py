@@ -58,5 +58,7 @@ class RefusedStyle:
 
 def suite_style(value: Any) -> Any:
     """A transformers style name given in a user's plan, as the suite's name (other values unchanged)."""
-    return HF_STYLES.get(value, value) if isinstance(value, str) and value in HF_STYLES and value != "replicate" else value
+    return (
+        HF_STYLES.get(value, value) if isinstance(value, str) and value in HF_STYLES and value != "replicate" else value
+    )
 

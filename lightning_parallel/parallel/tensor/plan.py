@@ -190,7 +190,10 @@ def _sharded_dimensions(module: nn.Module, plan: Mapping[str, ParallelStyle]) ->
     # Attention heads: a column-sharded projection below a module with a head count
     # splits the heads, and a rank must hold whole heads.
     for owner, sub in module.named_modules():
-        heads = next((getattr(sub, a) for a in ("n_head", "n_heads", "num_heads") if isinstance(getattr(sub, a, None), int)), None)
+        heads = next(
+            (getattr(sub, a) for a in ("n_head", "n_heads", "num_heads") if isinstance(getattr(sub, a, None), int)),
+            None,
+        )
         if heads is None:
             continue
         prefix = f"{owner}." if owner else ""

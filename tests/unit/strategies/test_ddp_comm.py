@@ -42,7 +42,10 @@ def test_powersgd_gets_its_state_with_rank_and_warm_up():
         ({"comm_hook": "int8"}, r"Unknown comm_hook='int8': use one of \('none', 'fp16', 'bf16', 'powersgd'\)"),
         ({"comm_hook": "powersgd", "powersgd_rank": 0}, r"powersgd_rank=0 must be an integer >= 1"),
         ({"comm_hook": "powersgd", "powersgd_rank": 1.5}, r"powersgd_rank=1.5 must be an integer"),
-        ({"comm_hook": "powersgd", "powersgd_start_iter": 1}, r"powersgd_start_iter=1 must be an integer >= 2.*rebuilt"),
+        (
+            {"comm_hook": "powersgd", "powersgd_start_iter": 1},
+            r"powersgd_start_iter=1 must be an integer >= 2.*rebuilt",
+        ),
         ({"comm_hook": "fp16", "powersgd_rank": 4}, r"powersgd_rank=4 configures PowerSGD.*set comm_hook=powersgd"),
         ({"powersgd_start_iter": 5}, r"comm_hook='none': set comm_hook=powersgd, or drop it"),
         ({"comm_hook": "bf16", "ddp_comm_hook": print}, r"\['ddp_comm_hook'\] would register a second hook"),

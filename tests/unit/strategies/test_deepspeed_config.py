@@ -37,7 +37,10 @@ def test_explicit_arguments_build_the_zero_section():
 
 
 def test_raw_config_is_merged_under_the_arguments_and_left_untouched():
-    raw = {"zero_optimization": {"reduce_bucket_size": 1000, "offload_optimizer": {"device": "cpu", "pin_memory": True}}, "steps_per_print": 7}
+    raw = {
+        "zero_optimization": {"reduce_bucket_size": 1000, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "steps_per_print": 7,
+    }
     snapshot = json.dumps(raw, sort_keys=True)
     config = build_zero_config(2, offload_optimizer=True, config=raw)
     assert config["zero_optimization"] == {
@@ -66,13 +69,17 @@ def test_raw_config_from_hydra_is_accepted():
 
 
 def test_raw_stage_that_contradicts_the_argument_is_refused():
-    with pytest.raises(ValueError, match=r"zero_optimization.stage=3 but the strategy has zero_stage=2.*pass zero_stage=3"):
+    with pytest.raises(
+        ValueError, match=r"zero_optimization.stage=3 but the strategy has zero_stage=2.*pass zero_stage=3"
+    ):
         build_zero_config(2, config={"zero_optimization": {"stage": 3}})
 
 
 def test_offload_asked_but_switched_off_in_raw_config_is_refused():
     with pytest.raises(ValueError, match="offload_optimizer=True.*does not offload"):
-        build_zero_config(2, offload_optimizer=True, config={"zero_optimization": {"offload_optimizer": {"device": "none"}}})
+        build_zero_config(
+            2, offload_optimizer=True, config={"zero_optimization": {"offload_optimizer": {"device": "none"}}}
+        )
 
 
 @pytest.mark.parametrize("stage", [-1, 4, "2", True, 2.5])
@@ -87,7 +94,11 @@ def test_unknown_stage_is_refused(stage):
         (2, {"offload_parameters": True}, "stage 2 cannot offload parameters.*stage>=3"),
         (1, {"offload_parameters": True, "offload_optimizer": True}, "cannot offload parameters"),
         (0, {"offload_optimizer": True}, "stage 0 cannot offload optimizer state.*stage>=1"),
-        (2, {"config": {"zero_optimization": {"offload_param": {"device": "cpu"}}}}, "stage 2 cannot offload parameters"),
+        (
+            2,
+            {"config": {"zero_optimization": {"offload_param": {"device": "cpu"}}}},
+            "stage 2 cannot offload parameters",
+        ),
     ],
 )
 def test_offload_the_stage_cannot_do_is_refused(stage, kwargs, match):
@@ -96,7 +107,9 @@ def test_offload_the_stage_cannot_do_is_refused(stage, kwargs, match):
 
 
 def test_supported_offloads_are_accepted():
-    assert DeepSpeedDataParallelStrategy(zero_stage=1, offload_optimizer=True).config["zero_optimization"]["offload_optimizer"]
+    assert DeepSpeedDataParallelStrategy(zero_stage=1, offload_optimizer=True).config["zero_optimization"][
+        "offload_optimizer"
+    ]
     strategy = DeepSpeedDataParallelStrategy(zero_stage=3, offload_optimizer=True, offload_parameters=True)
     assert strategy.zero_stage_3
 
@@ -113,7 +126,9 @@ def test_bad_config_sources_are_refused(tmp_path):
 
 
 def test_trainer_settings_fill_batch_accumulation_and_clipping():
-    config = apply_trainer_settings({}, micro_batch_size=8, accumulate_grad_batches=2, gradient_clip_val=None, data_parallel_size=2)
+    config = apply_trainer_settings(
+        {}, micro_batch_size=8, accumulate_grad_batches=2, gradient_clip_val=None, data_parallel_size=2
+    )
     assert config == {
         "train_micro_batch_size_per_gpu": 8,
         "gradient_accumulation_steps": 2,
@@ -124,14 +139,22 @@ def test_trainer_settings_fill_batch_accumulation_and_clipping():
 
 
 def test_raw_config_may_repeat_trainer_settings():
-    raw = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0, "train_batch_size": 32}
+    raw = {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "train_batch_size": 32,
+    }
     assert apply_trainer_settings(dict(raw), 8, 2, 1.0, 2) == raw
 
 
 @pytest.mark.parametrize(
     ("raw", "match"),
     [
-        ({"train_micro_batch_size_per_gpu": 4}, r"train_micro_batch_size_per_gpu=4 but the train dataloader's batch_size gives 8"),
+        (
+            {"train_micro_batch_size_per_gpu": 4},
+            r"train_micro_batch_size_per_gpu=4 but the train dataloader's batch_size gives 8",
+        ),
         ({"gradient_accumulation_steps": 4}, r"accumulate_grad_batches"),
         ({"gradient_clipping": 1.0}, r"gradient_clipping=1.0 but Trainer\(gradient_clip_val=...\) gives 0.0"),
         ({"train_batch_size": 64}, r"train_batch_size=64 but batch_size x accumulate_grad_batches x ranks gives 16"),
@@ -139,7 +162,9 @@ def test_raw_config_may_repeat_trainer_settings():
 )
 def test_raw_config_contradicting_the_trainer_is_refused(raw, match):
     with pytest.raises(ValueError, match=match):
-        apply_trainer_settings(raw, micro_batch_size=8, accumulate_grad_batches=1, gradient_clip_val=None, data_parallel_size=2)
+        apply_trainer_settings(
+            raw, micro_batch_size=8, accumulate_grad_batches=1, gradient_clip_val=None, data_parallel_size=2
+        )
 
 
 def test_precision_on_cpu_is_fp32_or_bf16():
@@ -160,7 +185,11 @@ def test_precision_on_cuda_uses_deepspeed_blocks():
 
 @pytest.mark.parametrize(
     ("raw", "precision"),
-    [({"bf16": {"enabled": True}}, "32-true"), ({"fp16": {"enabled": True}}, "bf16-mixed"), ({"bf16": {"enabled": False}}, "bf16-true")],
+    [
+        ({"bf16": {"enabled": True}}, "32-true"),
+        ({"fp16": {"enabled": True}}, "bf16-mixed"),
+        ({"bf16": {"enabled": False}}, "bf16-true"),
+    ],
 )
 def test_raw_precision_contradicting_the_trainer_is_refused(raw, precision):
     with pytest.raises(ValueError, match=r"Trainer\(precision="):
@@ -188,7 +217,9 @@ def test_registered_name_builds_a_cpu_trainer():
     import lightning.pytorch as pl
 
     DeepSpeedDataParallelStrategy.register_strategies(StrategyRegistry)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="deepspeed_zero2", logger=False, enable_checkpointing=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy="deepspeed_zero2", logger=False, enable_checkpointing=False
+    )
     assert isinstance(trainer.strategy, DeepSpeedDataParallelStrategy)
     assert trainer.strategy.config["zero_optimization"]["stage"] == 2
 

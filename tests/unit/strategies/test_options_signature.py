@@ -32,9 +32,13 @@ def test_keywords_that_agree_with_options_are_accepted_and_conflicts_name_the_fi
 
 
 def test_unknown_names_list_the_valid_ones_with_the_closest():
-    with pytest.raises(ValueError, match=r"'zero_stag' \(did you mean 'zero_stage'\?\).*microbatches.*load_optimizer_state"):
+    with pytest.raises(
+        ValueError, match=r"'zero_stag' \(did you mean 'zero_stage'\?\).*microbatches.*load_optimizer_state"
+    ):
         HybridParallelStrategy(zero_stag=2)
-    with pytest.raises(ValueError, match=r"PipelineParallelStrategy got unknown option\(s\) 'micro_batches' \(did you mean"):
+    with pytest.raises(
+        ValueError, match=r"PipelineParallelStrategy got unknown option\(s\) 'micro_batches' \(did you mean"
+    ):
         PipelineParallelStrategy(micro_batches=2)
     with pytest.raises(ValueError, match=r"'stage' \(did you mean 'zero_stage'\?\)"):
         HybridParallelStrategy(stage=2)

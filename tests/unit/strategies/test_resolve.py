@@ -10,7 +10,8 @@ from lightning_parallel.strategies import STRATEGIES, HybridParallelStrategy, Pi
 from lightning_parallel.strategies.resolve import resolve_layout, strategy_object
 
 WORLD = 4
-# Every name the suite registers -> its (data, pipeline, tensor) layout on WORLD ranks; Lightning's ddp is data parallel.
+# Every name the suite registers -> its (data, pipeline, tensor) layout on WORLD ranks;
+# Lightning's ddp is data parallel.
 EXPECTED = {
     "hybrid_parallel": (4, 1, 1),
     "pipeline_parallel": (1, 4, 1),

@@ -1,0 +1,240 @@
+"""Step 7 of :func:`~lightning_parallel.parallel.compose.parallelize`: a model built on the ``meta`` device becomes
+this rank's share only, initialised to the values every other layout (one process included) gives it.
+
+A model built on ``meta`` (``configure_model`` under the suite's strategies, or ``trainer.init_module(
+empty_init=True)``) holds shapes and no storage. :func:`parallelize` splits, shards and wraps it while
+it is still on ``meta``; then :func:`materialize` allocates what this rank holds (``to_empty``: the
+pipeline stages it owns, its tensor-parallel slices, its FSDP2 shards) and fills it.
+
+Initialisation equal across layouts: each module that owns parameters or buffers directly is
+initialised *on its own*, at full size on the CPU, from a random stream seeded by ``(seed, the module's
+name in the unsplit model)``; this rank copies the slice it holds and drops the rest. So the initial
+weights depend on the seed and the names only -- never on the layout, the rank or the order in which
+ranks reach a layer -- and the peak memory of the step is one module's full size (the largest embedding),
+not the model's. Tied parameters take the value of their first name (``embed_tokens.weight`` for a tied
+LM head), also on a pipeline stage that holds only the head.
+
+Note:
+    This is torchtitan's "seed checkpoint" made unnecessary: rather than writing the whole initial model
+    once and reading it back through DCP, every rank recomputes the few modules it holds (a CPU cost of
+    one forward-sized pass over those modules' initialisers, no disk, no process that holds the whole
+    model). The values differ from an eager ``torch.manual_seed(s); Model()`` (whose RNG stream runs
+    through the whole model in construction order); :func:`seeded_init` gives an eagerly built model the
+    same values, for comparisons with code outside the suite.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from lightning_parallel.parallel.tensor.ties import restore_ties, tie_groups
+
+#: ``init(name, module)`` initialises one module's own (direct) parameters and buffers in place, at full size,
+#: on the CPU; ``name`` is the module's name in the unsplit model (``module`` may be a copy).
+InitFn = Callable[[str, nn.Module], None]
+
+
+@dataclass(frozen=True)
+class Materialization:
+    """Where and from which seed a model built on ``meta`` gets its storage (:func:`materialize`).
+
+    Attributes:
+        device: this rank's device.
+        seed: the run's seed, the same on every rank (the strategy broadcasts rank 0's).
+    """
+
+    device: torch.device
+    seed: int
+
+
+def reset_parameters(name: str, module: nn.Module) -> None:
+    """The protocol's initialiser: torch's convention, ``module.reset_parameters()``.
+
+    Args:
+        name: the module's name in the unsplit model (for the message).
+        module: the module (or its copy) to initialise.
+
+    Raises:
+        ValueError: the module owns parameters or buffers but defines no ``reset_parameters()``.
+    """
+    reset = getattr(module, "reset_parameters", None)
+    if not callable(reset):
+        owned = [attr for attr, _ in module.named_parameters(recurse=False)]
+        owned += [attr for attr, _ in module.named_buffers(recurse=False)]
+        raise ValueError(
+            f"{name or 'the root module'} ({type(module).__name__}) owns {owned} but defines no reset_parameters(): "
+            "built on the meta device, its "
+            "values cannot be initialised after the split. Give it a reset_parameters() that fills exactly these "
+            "(torch's convention, as nn.Linear does), or build the model in __init__ instead of configure_model."
+        )
+    reset()
+
+
+def layer_seed(seed: int, name: str) -> int:
+    """The seed of the module called ``name``: a hash of ``(seed, name)``, the same on every rank and layout."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class InitPlan:
+    """Where each tensor's initial value comes from, recorded on the unsplit ``meta`` model.
+
+    Attributes:
+        seed: the run's seed (the same on every rank).
+        sources: ``{tensor name: (owner module name, attribute)}`` for every parameter and buffer name,
+            tied aliases pointing at their first name's owner.
+        templates: ``{owner module name: a meta copy of that module}``, initialised at full size on demand.
+    """
+
+    seed: int
+    sources: dict[str, tuple[str, str]] = field(default_factory=dict)
+    templates: dict[str, nn.Module] = field(default_factory=dict)
+
+
+def _owned(module: nn.Module) -> list[tuple[str, Tensor]]:
+    return [(a, t) for a, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            if t is not None]
+
+
+def plan_initialisation(module: nn.Module, seed: int, init: InitFn = reset_parameters) -> InitPlan:
+    """Record, before any split, which module initialises each tensor of ``module`` (built on ``meta``).
+
+    Every owner's initialiser is tried once on its ``meta`` copy here, so a module that cannot be
+    initialised is refused before anything is allocated or any rank diverges.
+
+    Args:
+        module: the whole model on the ``meta`` device.
+        seed: the run's seed, the same on every rank.
+        init: the adapter's initialiser (:func:`reset_parameters` for the protocol).
+
+    Raises:
+        ValueError: a module owns tensors that ``init`` cannot initialise (named, with the fix).
+    """
+    stored = sorted({name for name, t in [*module.named_parameters(), *module.named_buffers()] if not t.is_meta})
+    if stored:
+        raise ValueError(
+            f"{type(module).__name__} holds tensors with storage ({', '.join(stored[:4])}"
+            f"{', ...' if len(stored) > 4 else ''}) beside tensors on the meta device: materialising would overwrite "
+            "them. Build the whole model in configure_model() (and load pretrained weights with HuggingFaceWeights "
+            "or ckpt_path), or build all of it in __init__."
+        )
+    plan = InitPlan(seed)
+    first: dict[int, tuple[str, str]] = {}
+    for owner_name, owner in module.named_modules(remove_duplicate=False):
+        for attr, tensor in _owned(owner):
+            source = first.setdefault(id(tensor), (owner_name, attr))
+            plan.sources[f"{owner_name}.{attr}" if owner_name else attr] = source
+            if source == (owner_name, attr) and owner_name not in plan.templates:
+                template = plan.templates[owner_name] = copy.deepcopy(owner)  # meta: no storage is copied
+                with torch.no_grad():
+                    init(owner_name, template)  # on meta: checks the initialiser exists, computes nothing
+    return plan
+
+
+def _full_values(plan: InitPlan, owner: str, init: InitFn) -> dict[str, Tensor]:
+    """The owner's direct tensors at full size on the CPU, drawn from its own seeded stream."""
+    template = plan.templates[owner].to_empty(device="cpu", recurse=False)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(layer_seed(plan.seed, owner))
+        init(owner, template)
+    values = dict(template.named_parameters(recurse=False))
+    values.update(dict(template.named_buffers(recurse=False)))
+    return values
+
+
+def _fill(target: Tensor, full: Tensor) -> None:
+    """Copy this rank's part of ``full`` into ``target`` (a DTensor's local shard, or a whole tensor)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if tuple(full.shape) != tuple(target.shape):
+        raise ValueError(
+            f"an initialiser produced shape {tuple(full.shape)} for a tensor of shape {tuple(target.shape)}"
+        )
+    with torch.no_grad():
+        if isinstance(target, DTensor):
+            # src_data_rank=None: every rank holds the full value already, so slicing needs no communication.
+            local = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+            target.to_local().copy_(local.to_local())
+        else:
+            target.copy_(full)
+
+
+def materialize(module: nn.Module, device: torch.device, plan: InitPlan, init: InitFn = reset_parameters) -> int:
+    """Allocate this rank's share of a ``meta`` model on ``device`` and initialise it as every layout does.
+
+    Call it after the model was split, tensor-sharded and wrapped on ``meta`` (FSDP2 and DTensor follow
+    ``to_empty``); no collective is involved, so ranks holding different stages need not agree.
+
+    Args:
+        module: the parallelised model, still on ``meta``.
+        device: this rank's device.
+        plan: :func:`plan_initialisation` of the unsplit model.
+        init: initialises one module's own tensors in place (the adapter's: ``reset_parameters()`` for the
+            protocol, the model's ``_init_weights`` for a Hugging Face model).
+
+    Returns:
+        The bytes of parameters and buffers this rank now holds.
+
+    Raises:
+        ValueError: a tensor whose owner cannot be initialised (named, with the fix).
+    """
+    ties = tie_groups(module)
+    module.to_empty(device=device)
+    restore_ties(module, ties)  # to_empty gives each holder its own tensor; FSDP2 keeps its own ties
+    cache: dict[str, dict[str, Tensor]] = {}
+    held = 0
+    named = [*module.named_parameters(), *module.named_buffers()]
+    remaining = _uses_per_owner(plan, [name for name, _ in named])
+    for name, tensor in named:
+        owner, attr = plan.sources[name]
+        if owner not in cache:
+            cache[owner] = _full_values(plan, owner, init)
+        _fill(tensor, cache[owner][attr])
+        held += _local_bytes(tensor)
+        remaining[owner] -= 1
+        if remaining[owner] == 0:
+            del cache[owner]  # one module's full size at a time
+    return held
+
+
+def _uses_per_owner(plan: InitPlan, names: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for name in names:
+        owner = plan.sources[name][0]
+        counts[owner] = counts.get(owner, 0) + 1
+    return counts
+
+
+
+def _local_bytes(tensor: Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+
+def seeded_init(module: nn.Module, seed: int, init: InitFn = reset_parameters) -> None:
+    """Give an eagerly built ``module`` the initial values :func:`materialize` gives it under any layout.
+
+    Args:
+        module: a whole model with storage (one process).
+        seed: the seed the parallel runs use.
+        init: the same initialiser the parallel runs use.
+    """
+    seen: set[int] = set()
+    for owner_name, owner in module.named_modules():
+        owned = [t for _, t in _owned(owner)]
+        kept = [(t, t.detach().clone()) for t in owned if id(t) in seen]  # tied: their first owner's value stays
+        seen.update(id(t) for t in owned)
+        if len(kept) < len(owned):
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(layer_seed(seed, owner_name))
+                init(owner_name, owner)
+                for tensor, value in kept:
+                    tensor.copy_(value)
