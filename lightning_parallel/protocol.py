@@ -37,6 +37,13 @@ this suite, which use them to split the model:
   for the sharded dimension (``view(B, T, -1, head_dim)``) so a rank can hold a slice of
   the heads.
 
+Built on the meta device (``configure_model`` under the suite's strategies): every module that owns
+parameters or buffers is initialised on its own with ``reset_parameters()`` (torch's convention),
+from a random stream seeded by ``(seed, its name)`` -- so the initial weights are the same under
+every layout, and :func:`seeded_init` gives a model built eagerly (under Lightning's own strategies)
+the same values. A module with tensors and no ``reset_parameters()`` is refused before anything is
+allocated.
+
 A module that defines none of these methods may still be split when a model adapter
 understands it (:func:`lightning_parallel.adapters.adapt`): a Hugging Face decoder-only causal LM
 is split from the model's own pipeline plan, with ``transformers``' causal-LM loss taken as
@@ -49,9 +56,11 @@ the suite but :mod:`lightning_parallel.resumable_loader` (never ``strategies`` o
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+from typing import Any, Callable
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 
 def split_batch(module: nn.Module, batch: Any) -> tuple[Any, Any]:
@@ -69,3 +78,62 @@ def split_batch(module: nn.Module, batch: Any) -> tuple[Any, Any]:
     from lightning_parallel.parallel.adapter import ModelAdapter  # the engine's vocabulary; no adapter imported
 
     return ModelAdapter.resolve(module).split_batch(batch)
+
+#: ``init(name, module)`` initialises one module's own (direct) parameters and buffers in place, at full size,
+#: on the CPU; ``name`` is the module's name in the unsplit model (``module`` may be a copy).
+InitFn = Callable[[str, nn.Module], None]
+
+def reset_parameters(name: str, module: nn.Module) -> None:
+    """The protocol's initialiser: torch's convention, ``module.reset_parameters()``.
+
+    Args:
+        name: the module's name in the unsplit model (for the message).
+        module: the module (or its copy) to initialise.
+
+    Raises:
+        ValueError: the module owns parameters or buffers but defines no ``reset_parameters()``.
+    """
+    reset = getattr(module, "reset_parameters", None)
+    if not callable(reset):
+        owned = [attr for attr, _ in module.named_parameters(recurse=False)]
+        owned += [attr for attr, _ in module.named_buffers(recurse=False)]
+        raise ValueError(
+            f"{name or 'the root module'} ({type(module).__name__}) owns {owned} but defines no reset_parameters(): "
+            "built on the meta device, its "
+            "values cannot be initialised after the split. Give it a reset_parameters() that fills exactly these "
+            "(torch's convention, as nn.Linear does), or build the model in __init__ instead of configure_model."
+        )
+    reset()
+
+
+def layer_seed(seed: int, name: str) -> int:
+    """The seed of the module called ``name``: a hash of ``(seed, name)``, the same on every rank and layout."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def owned_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
+    """``(attribute, tensor)`` of the parameters and buffers ``module`` owns itself (not its children's)."""
+    return [(a, t) for a, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            if t is not None]
+
+
+def seeded_init(module: nn.Module, seed: int, init: InitFn = reset_parameters) -> None:
+    """Give an eagerly built ``module`` the initial values :func:`materialize` gives it under any layout.
+
+    Args:
+        module: a whole model with storage (one process).
+        seed: the seed the parallel runs use.
+        init: the same initialiser the parallel runs use.
+    """
+    seen: set[int] = set()
+    for owner_name, owner in module.named_modules():
+        owned = [t for _, t in owned_tensors(owner)]
+        kept = [(t, t.detach().clone()) for t in owned if id(t) in seen]  # tied: their first owner's value stays
+        seen.update(id(t) for t in owned)
+        if len(kept) < len(owned):
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(layer_seed(seed, owner_name))
+                init(owner_name, owner)
+                for tensor, value in kept:
+                    tensor.copy_(value)

@@ -186,13 +186,13 @@ class ModelAdapter:
         """Initialise ``module``'s own parameters and buffers in place (its copy, at full size, on the CPU).
 
         The protocol's answer is torch's convention, ``module.reset_parameters()``
-        (:func:`~lightning_parallel.parallel.materialize.reset_parameters`).
+        (:func:`~lightning_parallel.protocol.reset_parameters`).
 
         Args:
             name: the module's name in the unsplit model.
             module: the module (a copy of it) to initialise.
         """
-        from lightning_parallel.parallel.materialize import reset_parameters
+        from lightning_parallel.protocol import reset_parameters
 
         reset_parameters(name, module)
 

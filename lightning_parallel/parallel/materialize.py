@@ -19,25 +19,20 @@ Note:
     once and reading it back through DCP, every rank recomputes the few modules it holds (a CPU cost of
     one forward-sized pass over those modules' initialisers, no disk, no process that holds the whole
     model). The values differ from an eager ``torch.manual_seed(s); Model()`` (whose RNG stream runs
-    through the whole model in construction order); :func:`seeded_init` gives an eagerly built model the
-    same values, for comparisons with code outside the suite.
+    through the whole model in construction order); ``protocol.seeded_init`` gives an eagerly built model the
+    same values (:func:`lightning_parallel.protocol.seeded_init`), for code that builds eagerly.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
 from lightning_parallel.parallel.tensor.ties import restore_ties, tie_groups
-
-#: ``init(name, module)`` initialises one module's own (direct) parameters and buffers in place, at full size,
-#: on the CPU; ``name`` is the module's name in the unsplit model (``module`` may be a copy).
-InitFn = Callable[[str, nn.Module], None]
+from lightning_parallel.protocol import InitFn, layer_seed, owned_tensors, reset_parameters
 
 
 @dataclass(frozen=True)
@@ -51,35 +46,6 @@ class Materialization:
 
     device: torch.device
     seed: int
-
-
-def reset_parameters(name: str, module: nn.Module) -> None:
-    """The protocol's initialiser: torch's convention, ``module.reset_parameters()``.
-
-    Args:
-        name: the module's name in the unsplit model (for the message).
-        module: the module (or its copy) to initialise.
-
-    Raises:
-        ValueError: the module owns parameters or buffers but defines no ``reset_parameters()``.
-    """
-    reset = getattr(module, "reset_parameters", None)
-    if not callable(reset):
-        owned = [attr for attr, _ in module.named_parameters(recurse=False)]
-        owned += [attr for attr, _ in module.named_buffers(recurse=False)]
-        raise ValueError(
-            f"{name or 'the root module'} ({type(module).__name__}) owns {owned} but defines no reset_parameters(): "
-            "built on the meta device, its "
-            "values cannot be initialised after the split. Give it a reset_parameters() that fills exactly these "
-            "(torch's convention, as nn.Linear does), or build the model in __init__ instead of configure_model."
-        )
-    reset()
-
-
-def layer_seed(seed: int, name: str) -> int:
-    """The seed of the module called ``name``: a hash of ``(seed, name)``, the same on every rank and layout."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 @dataclass
@@ -96,11 +62,6 @@ class InitPlan:
     seed: int
     sources: dict[str, tuple[str, str]] = field(default_factory=dict)
     templates: dict[str, nn.Module] = field(default_factory=dict)
-
-
-def _owned(module: nn.Module) -> list[tuple[str, Tensor]]:
-    return [(a, t) for a, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-            if t is not None]
 
 
 def plan_initialisation(module: nn.Module, seed: int, init: InitFn = reset_parameters) -> InitPlan:
@@ -128,7 +89,7 @@ def plan_initialisation(module: nn.Module, seed: int, init: InitFn = reset_param
     plan = InitPlan(seed)
     first: dict[int, tuple[str, str]] = {}
     for owner_name, owner in module.named_modules(remove_duplicate=False):
-        for attr, tensor in _owned(owner):
+        for attr, tensor in owned_tensors(owner):
             source = first.setdefault(id(tensor), (owner_name, attr))
             plan.sources[f"{owner_name}.{attr}" if owner_name else attr] = source
             if source == (owner_name, attr) and owner_name not in plan.templates:
@@ -212,29 +173,8 @@ def _uses_per_owner(plan: InitPlan, names: list[str]) -> dict[str, int]:
     return counts
 
 
-
 def _local_bytes(tensor: Tensor) -> int:
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return local.numel() * local.element_size()
 
 
-
-def seeded_init(module: nn.Module, seed: int, init: InitFn = reset_parameters) -> None:
-    """Give an eagerly built ``module`` the initial values :func:`materialize` gives it under any layout.
-
-    Args:
-        module: a whole model with storage (one process).
-        seed: the seed the parallel runs use.
-        init: the same initialiser the parallel runs use.
-    """
-    seen: set[int] = set()
-    for owner_name, owner in module.named_modules():
-        owned = [t for _, t in _owned(owner)]
-        kept = [(t, t.detach().clone()) for t in owned if id(t) in seen]  # tied: their first owner's value stays
-        seen.update(id(t) for t in owned)
-        if len(kept) < len(owned):
-            with torch.random.fork_rng(devices=[]), torch.no_grad():
-                torch.manual_seed(layer_seed(seed, owner_name))
-                init(owner_name, owner)
-                for tensor, value in kept:
-                    tensor.copy_(value)

@@ -2,7 +2,7 @@
 allocates only its share.
 
 The reference is the same module built with storage under Lightning's own single-device strategy and given the
-suite's per-module seeded initialisation (:func:`~lightning_parallel.parallel.materialize.seeded_init`): so the
+suite's per-module seeded initialisation (:func:`~lightning_parallel.protocol.seeded_init`): so the
 layouts agree with a run that involves none of the suite's machinery. The negative control is that reference
 without :func:`seeded_init` (torch's sequential initialisation), which the layouts must *not* match.
 """
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_parallel import HybridParallelStrategy
-from lightning_parallel.parallel.materialize import seeded_init
+from lightning_parallel.protocol import seeded_init
 from lightning_parallel.testing import run_processes
 from lightning_parallel.testing.fit import fit_regression_epochs
 from lightning_parallel.testing.models import DeferredResidualMLP, ResidualMLP
