@@ -256,7 +256,8 @@ def parallelize(
     adapter: Optional[ModelAdapter] = None,
     materialization: Optional[Materialization] = None,
 ) -> Parallelized:
-    """Split, shard and wrap ``module`` in place for this rank of ``layout`` (see the module docstring for the order).
+    """Split, shard and wrap ``module`` in place for this rank of ``layout`` (the order: the module docstring);
+    returns a :class:`Parallelized` describing the result.
 
     Args:
         module: the whole model in its training precision, on its device or on ``meta`` (then only this
@@ -273,9 +274,6 @@ def parallelize(
         adapter: the model's adapter, resolved once by the strategy (default: ``ModelAdapter.resolve(module)``).
         materialization: device and seed for a model built on ``meta`` (required for one).
 
-    Returns:
-        A :class:`Parallelized` describing the result.
-
     Raises:
         ValueError: ``module`` was parallelised before, is on ``meta`` without ``materialization``, or any
             check of :func:`check_module`.
@@ -285,11 +283,7 @@ def parallelize(
     init_plan = _plan_materialization(module, adapter, materialization)
     pipe = check_pipeline(module, layout, options, adapter=adapter) if layout.pipeline_parallel_enabled else None
     plan = check_tensor(module, layout, options, adapter=adapter)
-    split, stages, stage_ids, last, tied = None, [], [], None, []
-    if pipe is not None:
-        split, stages, stage_ids = split_pipeline(module, layout, options, rank, layer_times, pipe)
-        last, tied = last_stage_rank(layout, options, rank), tie_copies(module, split, stages, layout, options, rank)
-        on_split(split) if on_split is not None else None
+    split, stages, stage_ids, last, tied = _cut(module, layout, options, rank, layer_times, pipe, on_split)
     _apply_local_plan(module, layout, mesh, plan, adapter)
     checkpoint_activations(module, options.activation_checkpointing, split, adapter=adapter)
     _wrap_data_axis(module, layout, options, (mesh, data_mesh), split, stages, precision, adapter)
@@ -299,6 +293,18 @@ def parallelize(
     loss_fn, count = (pipe.loss_fn, pipe.count_items) if pipe is not None else (None, None)
     return Parallelized(layout, options, plan, split, tuple(stages), tuple(stage_ids), last, loss_fn, count,
                         tuple(tied), adapter, pipe is not None and pipe.loss_terms)
+
+
+def _cut(module: nn.Module, layout: ParallelLayout, options: ParallelOptions, rank: int,
+         layer_times: Optional[Sequence[float]], pipe: Optional[PipelinePlan],
+         on_split: Optional[Callable[[PipelineSplit], Any]]) -> tuple:
+    """Step 1: ``(split, stages, stage_ids, last stage's rank, tied copies)``; empty without pipelining."""
+    if pipe is None:
+        return None, [], [], None, []
+    split, stages, stage_ids = split_pipeline(module, layout, options, rank, layer_times, pipe)
+    last, tied = last_stage_rank(layout, options, rank), tie_copies(module, split, stages, layout, options, rank)
+    on_split(split) if on_split is not None else None
+    return split, stages, stage_ids, last, tied
 
 
 def _plan_materialization(module: nn.Module, adapter: ModelAdapter,
