@@ -48,6 +48,7 @@ from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.pipeline import tied as pipeline_tied
 from lightning_parallel.parallel.pipeline.chain_check import on_meta
 from lightning_parallel.parallel.pipeline.cut import check_pipeline, last_stage_rank, split_pipeline, tie_copies
+from lightning_parallel.parallel.pipeline.plan import PipelinePlan
 from lightning_parallel.parallel.pipeline.stages import (
     PipelineSplit,
     RemovedLayer,
