@@ -64,7 +64,8 @@ def padded_documents(layout=None) -> PaddedTextDataModule:
 
 
 def test_meta_built_decoders_match_one_process_on_every_layout():
-    cases = {family: Case(partial(BuiltInConfigureModel, family), padded_documents, {}) for family in ("llama", "qwen2")}
+    families = ("llama", "qwen2")
+    cases = {family: Case(partial(BuiltInConfigureModel, family), padded_documents, {}) for family in families}
     layouts = [
         Layout("auto", 1, "1 process, eager + seeded_init"),
         Layout(partial(Hybrid, pipeline_parallel_size=2, data_parallel_size=1, microbatches=4), 2, "pp2"),
