@@ -10,7 +10,7 @@ lightning 2.6, torch 2.13, deepspeed 0.19, torchdata 0.11, transformers 5 (optio
 
 Touch points, by package:
 
-* Lightning: :func:`materialize_distributed_module`, :func:`optimizers_to_device`,
+* Lightning: :func:`optimizers_to_device`,
   :func:`set_module_device_mesh`, :func:`init_model_parallel_process_group`,
   :data:`DDPForwardRedirection`, :func:`set_forward_redirection`,
   :data:`DEEPSPEED_STRATEGY_OVERRIDES` (private hooks the DeepSpeed strategy overrides),
@@ -19,7 +19,7 @@ Touch points, by package:
   state-dict layout of :func:`epoch_end_loop_progress` / :func:`drop_loader_position`.
 * torch: :func:`unflatten_mesh_dim`, :func:`dcp_set_element`, :func:`dcp_metadata_path`, :func:`load_planner_target`.
 * DeepSpeed: :func:`zero_merge_trainable_params`, :func:`zero3_param_coordinator`.
-* transformers: :func:`hf_class_plans`.
+* transformers: :func:`hf_class_plans`, :func:`hf_init_weights`.
 """
 
 from __future__ import annotations
@@ -36,16 +36,6 @@ if TYPE_CHECKING:
 
 # --- Lightning ---------------------------------------------------------------------------
 
-
-def materialize_distributed_module(module: nn.Module, device: torch.device) -> None:
-    """Materialise meta-device parameters (``configure_model`` under ``empty_init``) on ``device``.
-
-    Why private: Lightning's ModelParallelStrategy does exactly this in ``setup``; the
-    suite's strategies replace that ``setup`` and must materialise the same way.
-    """
-    from lightning.fabric.utilities.init import _materialize_distributed_module
-
-    _materialize_distributed_module(module, device)
 
 
 def optimizers_to_device(optimizers: Any, device: torch.device) -> None:

@@ -24,13 +24,19 @@ def _parameters(function) -> tuple[str, ...]:
     return tuple(inspect.signature(function).parameters)
 
 
-def test_lightning_materialize_distributed_module_exists():
-    from lightning.fabric.utilities.init import _materialize_distributed_module
-
-    assert _parameters(_materialize_distributed_module)[:2] == ("module", "device")
-    module = nn.Linear(2, 2)
-    _compat.materialize_distributed_module(module, torch.device("cpu"))  # no meta tensors: a no-op
-    assert module.weight.device.type == "cpu"
+def test_transformers_per_module_initialiser_fills_a_meta_built_rotary_buffer():
+    """``hf_init_weights``: the per-module initialiser materialisation relies on (``_init_weights``)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    rotary = model.model.rotary_emb
+    rotary.to_empty(device="cpu")
+    rotary.inv_freq.fill_(float("nan"))
+    _compat.hf_init_weights(model, rotary)
+    reference = transformers.AutoModelForCausalLM.from_config(config).model.rotary_emb.inv_freq
+    assert torch.equal(rotary.inv_freq, reference)
 
 
 def test_lightning_optimizers_to_device_exists():
