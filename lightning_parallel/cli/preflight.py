@@ -124,6 +124,10 @@ def _check_model(cfg: DictConfig, strategy: Any, layout: ParallelLayout) -> None
         return
     with torch.device("meta"):
         model = instantiate(cfg.model)
+        try:  # a model built in configure_model (on meta under the suite's strategies, as here)
+            getattr(model, "configure_model", lambda: None)()
+        except (RuntimeError, AttributeError):
+            return  # it needs the Trainer or the mesh: the strategy checks it in setup, before any step
     check_module(model, layout, options)
 
 
