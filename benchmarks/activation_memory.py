@@ -108,7 +108,7 @@ def _build(rank: int, world_size: int, sizes: tuple, zero_stage: int, mode: str,
     options = ParallelOptions(*sizes, zero_stage=zero_stage, microbatches=MICROBATCHES, schedule="1f1b",
                               partition="uniform", activation_checkpointing=mode)
     torch.manual_seed(0)
-    module = GPT(**{**MODEL, "dropout": dropout})
+    module = GPT(**{**MODEL, "dropout": dropout}).build()
     result = parallelize(module, layout, mesh, options, rank)
     if result.pipelined:
         runner = PipelineRunner(result.stages, result.stage_ids, result.num_stages, options.schedule, MICROBATCHES,

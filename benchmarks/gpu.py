@@ -55,7 +55,7 @@ def _fit(rank: int, world_size: int, name: str, cfg: dict) -> dict:
     train, _ = load_corpus(None, max_bytes=max_bytes, val_every=10)
     data = Subset(ByteWindows(train, model_kwargs["seq_len"]), range((steps + 2) * cfg["batch_size"]))
     torch.manual_seed(0)
-    model = GPT(**model_kwargs)
+    model = GPT(**model_kwargs).build()
     params = sum(p.numel() for p in model.parameters())
     trainer = pl.Trainer(accelerator="cuda", devices=1, precision="bf16-mixed", strategy=_strategy(name),
                          max_steps=steps + 1, logger=False, enable_checkpointing=False, enable_progress_bar=False,

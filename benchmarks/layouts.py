@@ -56,6 +56,7 @@ def planned_gpt_class() -> type:
         """GPT that shards itself over ``device_mesh["tensor_parallel"]`` with its own plan."""
 
         def configure_model(self) -> None:
+            super().configure_model()  # the recipe's layers (built already by _new_model)
             if not getattr(self, "_planned", False):
                 apply_tensor_parallel(self, self.device_mesh["tensor_parallel"], resolve_plan(self, None))
                 self._planned = True
@@ -184,7 +185,9 @@ def _new_model(model_kwargs: dict, cls: Any = None) -> Any:
     from examples.nlp.model import GPT
 
     torch.manual_seed(0)
-    return (cls or GPT)(**model_kwargs)
+    model = (cls or GPT)(**model_kwargs)
+    GPT.configure_model(model)  # the recipe's layers, with storage and seeded (a subclass may add to its hook)
+    return model
 
 
 def _trainer_layout(rank: int, world: int, spec: dict, cfg: dict, train: Any, val: Any) -> dict:

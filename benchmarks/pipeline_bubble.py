@@ -106,7 +106,7 @@ def _rank(
     for schedule, spr in schedules.items():
         for m in microbatches:
             torch.manual_seed(0)
-            model = GPT(**model_kwargs)
+            model = GPT(**model_kwargs).build()
             layers = model.pipeline_layers()
             stage_ids = stage_ids_for_rank(schedule, rank, world_size, spr)
             bounds = partition_layers(layers, world_size * spr, "parameters")

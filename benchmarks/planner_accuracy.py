@@ -143,7 +143,7 @@ def plan_case(model_kwargs: dict, world: int, cluster_name: str):
 
     torch.manual_seed(0)
     torch.set_num_threads(1)  # as each rank runs (2 processes on 2 cores)
-    model = GPT(**model_kwargs)
+    model = GPT(**model_kwargs).build()
     shape = profile_module(model, torch.randint(0, 256, (GLOBAL_BATCH, model_kwargs["seq_len"])), "gpt")
     work = Workload("fixed_global_batch", Reference(GLOBAL_BATCH, 1e-3), GLOBAL_BATCH // world)
     space = SearchSpace(deepspeed_stages=(), schedules=("1f1b", "interleaved_1f1b"), microbatch_factors=(1, 2),

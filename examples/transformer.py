@@ -5,15 +5,20 @@ Note:
       recipes' ``tensor_parallel_plan()`` globs and checkpoints name; keep them stable.
     * Attention reshapes with ``-1`` heads, so a tensor-parallel rank holding a column
       slice of q/k/v computes its own heads unchanged.
-    * Submodules are created in a fixed order (norm, attention, norm, MLP; q, k, v, out):
-      the default initialisers draw from the global generator in that order, so changing
-      it would change every recipe's initial weights.
+    * The projections are made by ``linear(in_features, out_features)`` (``nn.Linear`` by default): a
+      recipe passes a Linear whose ``reset_parameters()`` is its initialisation scheme
+      (:class:`examples.building.NormalLinear`), which is what initialises each layer after a build on
+      ``meta``. Initial values depend on the run's seed and the module names, not on creation order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+Linear = Callable[[int, int], nn.Module]  # (in_features, out_features) -> a Linear
 
 
 class SelfAttention(nn.Module):
@@ -24,17 +29,18 @@ class SelfAttention(nn.Module):
         n_head: attention heads (must divide ``d_model``).
         dropout: dropout on the attention weights and on the output.
         causal: mask attention to earlier positions (a decoder) or not (an encoder).
+        linear: makes the projections (``nn.Linear``).
     """
 
-    def __init__(self, d_model: int, n_head: int, dropout: float, causal: bool) -> None:
+    def __init__(self, d_model: int, n_head: int, dropout: float, causal: bool, linear: Linear = nn.Linear) -> None:
         super().__init__()
         self.n_head = n_head
         self.head_dim = d_model // n_head
         self.causal = causal
-        self.q = nn.Linear(d_model, d_model)
-        self.k = nn.Linear(d_model, d_model)
-        self.v = nn.Linear(d_model, d_model)
-        self.out = nn.Linear(d_model, d_model)
+        self.q = linear(d_model, d_model)
+        self.k = linear(d_model, d_model)
+        self.v = linear(d_model, d_model)
+        self.out = linear(d_model, d_model)
         self.dropout = dropout
         self.resid_drop = nn.Dropout(dropout)
 
@@ -56,12 +62,13 @@ class MLP(nn.Module):
         d_model: token width (input and output).
         hidden: hidden width.
         dropout: dropout on the output.
+        linear: makes the two layers (``nn.Linear``).
     """
 
-    def __init__(self, d_model: int, hidden: int, dropout: float) -> None:
+    def __init__(self, d_model: int, hidden: int, dropout: float, linear: Linear = nn.Linear) -> None:
         super().__init__()
-        self.up = nn.Linear(d_model, hidden)
-        self.down = nn.Linear(hidden, d_model)
+        self.up = linear(d_model, hidden)
+        self.down = linear(hidden, d_model)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -77,14 +84,17 @@ class Block(nn.Module):
         mlp_ratio: MLP hidden width as a multiple of ``d_model``.
         dropout: dropout probability in attention and MLP.
         causal: causal attention (decoder) or bidirectional (encoder).
+        linear: makes the attention and MLP projections (``nn.Linear``).
     """
 
-    def __init__(self, d_model: int, n_head: int, mlp_ratio: int, dropout: float, causal: bool) -> None:
+    def __init__(
+        self, d_model: int, n_head: int, mlp_ratio: int, dropout: float, causal: bool, linear: Linear = nn.Linear
+    ) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = SelfAttention(d_model, n_head, dropout, causal)
+        self.attn = SelfAttention(d_model, n_head, dropout, causal, linear)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model, mlp_ratio * d_model, dropout)
+        self.mlp = MLP(d_model, mlp_ratio * d_model, dropout, linear)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))

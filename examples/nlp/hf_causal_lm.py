@@ -10,6 +10,12 @@ Note:
     * ``config`` is a ``model_type`` that ``transformers`` knows (``llama``, ``qwen2``,
       ``mistral``, ...) built at a tiny size (:data:`TINY_SHAPE`, random weights, nothing
       downloads), or a local folder holding a ``config.json``.
+    * ``pretrained`` is a local ``save_pretrained`` folder: its config, and its weights, which
+      :class:`PretrainedWeights` (the suite's ``HuggingFaceWeights``) loads after the strategy split
+      the model, each rank reading only its slices of the safetensors files.
+    * The model is created in ``configure_model()`` (:mod:`examples.building`): on the ``meta`` device
+      under the suite's strategies, so each rank allocates only its share; built with storage (Lightning's
+      own strategies, ``build()``), it gets the seeded values every layout gives it, or the folder's weights.
     * ``transformers`` is the optional extra ``hf`` and is imported only when the model is built.
 """
 
@@ -23,8 +29,11 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from lightning_parallel.callbacks.hf_weights import HuggingFaceWeights
+
+from ..building import BuildsInConfigureModel, seed_built_model, zero3_partitioned
 from ..optimization import weight_decay_groups, with_warmup_cosine
 
 # Small enough for CPU tests; 4 heads over 2 key/value heads shard over 2 tensor ranks, 4 layers
@@ -90,7 +99,81 @@ def build_config(config: str, overrides: Optional[dict[str, Any]] = None, vocab_
     return cfg
 
 
-class HFCausalLM(pl.LightningModule):
+def model_config(
+    config: str, overrides: Optional[dict[str, Any]], vocab_size: Optional[int], pretrained: Optional[str]
+) -> Any:
+    """The recipe's ``transformers`` config: :func:`build_config`, or the ``pretrained`` folder's own.
+
+    With ``pretrained`` the vocabulary is the folder's; ``vocab_size`` then only bounds the ids the data
+    produces (``data=text_padded`` folds bytes into it) and must not exceed that vocabulary.
+
+    Raises:
+        ValueError: ``pretrained`` holds no ``config.json``, or its vocabulary is smaller than ``vocab_size``.
+    """
+    if pretrained is None:
+        return build_config(config, overrides, vocab_size)
+    folder = Path(str(pretrained)).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model.pretrained={pretrained!r} holds no config.json: give a local folder written by "
+                         "save_pretrained (config.json and model.safetensors).")
+    cfg = build_config(str(folder), overrides)
+    if vocab_size is not None and vocab_size > cfg.vocab_size:
+        raise ValueError(f"The data folds bytes into model.vocab_size={vocab_size} ids, but {str(folder)!r} has a "
+                         f"vocabulary of {cfg.vocab_size}: set model.vocab_size={cfg.vocab_size} or less.")
+    return cfg
+
+
+def load_pretrained(module: nn.Module, folder: str, prefix: str = "model.") -> None:
+    """Fill a model built with storage from a ``save_pretrained`` folder, before any engine copies its weights.
+
+    Plain tensors: :func:`lightning_parallel.checkpoints.hf.load.load_hf_weights` (named errors for missing
+    or extra keys). Parameters DeepSpeed ZeRO-3 partitioned as they were created: gathered one at a time.
+    """
+    from lightning_parallel.checkpoints.hf.load import load_hf_weights, tied_keys, weight_files
+
+    if not zero3_partitioned(module):
+        load_hf_weights(module, Path(folder), prefix)
+        return
+    import deepspeed
+    from safetensors import safe_open
+
+    files, tied = weight_files(Path(folder)), tied_keys(module, prefix)
+    for name, param in module.named_parameters():
+        key = name[len(prefix):]
+        stored = key if key in files else tied.get(key, key)
+        if stored not in files:
+            raise ValueError(f"{folder!r} holds no {key!r}: the folder holds another architecture.")
+        with safe_open(str(files[stored]), framework="pt") as handle:
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+                param.data.copy_(handle.get_tensor(stored))
+
+
+class PretrainedWeights(HuggingFaceWeights):
+    """``HuggingFaceWeights`` for :class:`HFCausalLM`: skipped when ``configure_model`` already loaded the folder
+    (a model built with storage, under Lightning's own strategies or DeepSpeed, is filled before the engine
+    copies its weights; a model built on ``meta`` is filled here, each rank reading only its slices)."""
+
+    def _wanted(self, pl_module: pl.LightningModule) -> bool:
+        return not getattr(pl_module, "pretrained_loaded", False)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._wanted(pl_module):
+            super().on_fit_start(trainer, pl_module)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._wanted(pl_module):
+            super().on_validation_start(trainer, pl_module)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._wanted(pl_module):
+            super().on_test_start(trainer, pl_module)
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._wanted(pl_module):
+            super().on_predict_start(trainer, pl_module)
+
+
+class HFCausalLM(BuildsInConfigureModel, pl.LightningModule):
     """A ``transformers`` causal LM trained on ``{input_ids, attention_mask, labels}`` batches.
 
     Args:
@@ -98,12 +181,15 @@ class HFCausalLM(pl.LightningModule):
             ``config.json`` (random weights of that shape).
         config_overrides: config attributes to change (``{"tie_word_embeddings": True}``).
         vocab_size: vocabulary size (128: the byte-level data folds bytes into it); None keeps the config's.
+            With ``pretrained`` the folder's vocabulary is kept and this only bounds the data's ids.
         attn_implementation: ``"sdpa"`` or ``"eager"``.
         optimizer: a partial optimizer factory taking parameter groups (Hydra ``_partial_: true``);
             AdamW(lr=3e-3) when omitted.
         weight_decay: applied to matrices only (not biases, norms or embeddings).
         warmup_steps: linear warm-up steps of the learning-rate schedule.
         max_steps: steps of the cosine decay (the Trainer's ``max_steps``); 0 keeps lr flat after warm-up.
+        pretrained: a local ``save_pretrained`` folder to start from (its config and weights; ``config`` is
+            then not used), or None for random weights.
     """
 
     def __init__(
@@ -116,12 +202,32 @@ class HFCausalLM(pl.LightningModule):
         weight_decay: float = 0.1,
         warmup_steps: int = 0,
         max_steps: int = 0,
+        pretrained: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=3e-3)
-        cfg = build_config(config, dict(config_overrides or {}), vocab_size)
-        self.model = _transformers().AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
+        self.model_config = model_config(config, dict(config_overrides or {}), vocab_size, pretrained)
+        self.pretrained_loaded = False
+
+    def configure_model(self) -> None:
+        """Create the model (once): on ``meta`` under the suite's strategies (:class:`PretrainedWeights` fills it
+        after the split), else with storage: the folder's weights, or the seeded values every layout gives it."""
+        if hasattr(self, "model"):
+            return  # fit then test with one Trainer, or build() first: built once
+        attn = self.hparams.attn_implementation
+        self.model = _transformers().AutoModelForCausalLM.from_config(self.model_config, attn_implementation=attn)
+        folder = self.hparams.pretrained
+        if folder is None:
+            seed_built_model(self)
+        elif not any(p.is_meta for p in self.model.parameters()):
+            load_pretrained(self, str(folder))
+            self.pretrained_loaded = True
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        """The folder's weights after the strategy split the model (``pretrained`` only)."""
+        folder = self.hparams.pretrained
+        return [] if folder is None else [PretrainedWeights(str(folder))]
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits

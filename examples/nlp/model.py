@@ -9,6 +9,10 @@ Note:
       recipe uses the same block, bidirectional).
     * The LM head is not tied to the token embedding: tying would couple the first and
       last pipeline stages.
+    * The layers are created in ``configure_model()`` (:mod:`examples.building`): on the ``meta``
+      device under the suite's strategies, so each rank allocates only its share. Every weight is
+      N(0, 0.02) and every bias zero, through the layers' own ``reset_parameters()``; ``GPT(...).build()``
+      creates them without a Trainer.
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..building import BuildsInConfigureModel, NormalEmbedding, NormalLinear, seed_built_model
 from ..optimization import weight_decay_groups, with_warmup_cosine
 from ..transformer import Block
+
+STD = 0.02  # every weight and embedding: N(0, STD); biases zero
 
 IGNORE_INDEX = -100  # targets that carry no loss (padding, masked prompts), as in torch's cross-entropy
 
@@ -33,8 +40,8 @@ class TokenEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, d_model: int, seq_len: int, dropout: float) -> None:
         super().__init__()
-        self.tok = nn.Embedding(vocab_size, d_model)
-        self.pos = nn.Embedding(seq_len, d_model)
+        self.tok = NormalEmbedding(vocab_size, d_model, std=STD)
+        self.pos = NormalEmbedding(seq_len, d_model, std=STD)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, idx: Tensor) -> Tensor:
@@ -48,13 +55,13 @@ class LMHead(nn.Module):
     def __init__(self, d_model: int, vocab_size: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
-        self.proj = nn.Linear(d_model, vocab_size, bias=False)
+        self.proj = NormalLinear(d_model, vocab_size, bias=False, std=STD)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.proj(self.norm(x))
 
 
-class GPT(pl.LightningModule):
+class GPT(BuildsInConfigureModel, pl.LightningModule):
     """A small decoder-only transformer language model following the suite's module protocol.
 
     Args:
@@ -93,19 +100,21 @@ class GPT(pl.LightningModule):
             )
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=3e-3)
-        self.embed = TokenEmbedding(vocab_size, d_model, seq_len, dropout)
-        self.blocks = nn.ModuleDict(
-            {str(i): Block(d_model, n_head, mlp_ratio, dropout, causal=True) for i in range(n_layer)}
-        )
-        self.head = LMHead(d_model, vocab_size)
-        self.apply(self._init_weights)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    def configure_model(self) -> None:
+        """Create the layers (once): on ``meta`` under the suite's strategies, else with storage and the
+        seeded initial values every layout gives them."""
+        if hasattr(self, "blocks"):
+            return  # fit then test with one Trainer, or build() first: built once
+        hp = self.hparams
+        linear = partial(NormalLinear, std=STD)
+        self.embed = TokenEmbedding(hp.vocab_size, hp.d_model, hp.seq_len, hp.dropout)
+        self.blocks = nn.ModuleDict(
+            {str(i): Block(hp.d_model, hp.n_head, hp.mlp_ratio, hp.dropout, causal=True, linear=linear)
+             for i in range(hp.n_layer)}
+        )
+        self.head = LMHead(hp.d_model, hp.vocab_size)
+        seed_built_model(self)
 
     # --- module protocol -------------------------------------------------------------
     def pipeline_layers(self) -> list[nn.Module]:

@@ -14,6 +14,10 @@ Note:
       would not help anyway: the tables are the memory and the MLPs the (small) compute.
     * Tables live in an ``nn.ModuleDict`` keyed ``"0".."S-1"``, so parameter names
       (``embeddings.3.weight``) are the same under every layout.
+    * The layers are created in ``configure_model()`` (:mod:`examples.building`): on the ``meta``
+      device under the suite's strategies, so a tensor rank allocates only its rows of each table.
+      Initial values come from the run's seed and the layer names (the same under every layout);
+      ``DLRM(...).build()`` creates them without a Trainer.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..building import BuildsInConfigureModel, NormalEmbedding, seed_built_model
 from ..optimization import weight_decay_groups, with_warmup_cosine
 
 
@@ -54,7 +59,7 @@ class DotInteraction(nn.Module):
         return torch.cat([features[:, 0], dots[:, upper[0], upper[1]]], dim=1)
 
 
-class DLRM(pl.LightningModule):
+class DLRM(BuildsInConfigureModel, pl.LightningModule):
     """Deep Learning Recommendation Model (Naumov et al., 2019), small.
 
     Batches are ``(dense (B, D) float, sparse (B, S) int64, label (B,) int64)``; the model
@@ -71,7 +76,6 @@ class DLRM(pl.LightningModule):
         weight_decay: applied to embedding tables and MLP matrices (not biases).
         warmup_steps: linear warm-up steps of the learning-rate schedule.
         max_steps: steps of the cosine decay (the Trainer's ``max_steps``); 0 keeps lr flat after warm-up.
-        seed: seed of the initial weights, so every rank and layout builds the same model.
     """
 
     def __init__(
@@ -85,7 +89,6 @@ class DLRM(pl.LightningModule):
         weight_decay: float = 0.1,
         warmup_steps: int = 0,
         max_steps: int = 0,
-        seed: int = 0,
     ) -> None:
         super().__init__()
         table_sizes = [int(s) for s in table_sizes]
@@ -93,19 +96,24 @@ class DLRM(pl.LightningModule):
             raise ValueError(f"table_sizes={table_sizes} must list at least one table of >= 1 rows.")
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=1e-2)
+        self.sizes = (int(num_dense), table_sizes, int(embedding_dim), list(bottom_widths), list(top_widths))
+
+    def configure_model(self) -> None:
+        """Create the layers (once): on ``meta`` under the suite's strategies, else with storage and the
+        seeded initial values every layout gives them."""
+        if hasattr(self, "embeddings"):
+            return  # fit then test with one Trainer, or build() first: built once
+        num_dense, table_sizes, dim, bottom_widths, top_widths = self.sizes
         num_features = 1 + len(table_sizes)
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            self.embeddings = nn.ModuleDict({str(j): nn.Embedding(n, embedding_dim) for j, n in enumerate(table_sizes)})
-            self.bottom = mlp([num_dense, *bottom_widths, embedding_dim], last_activation=True)
-            self.interaction = DotInteraction()
-            self.top = mlp(
-                [embedding_dim + num_features * (num_features - 1) // 2, *top_widths, 1], last_activation=False
-            )
-            for table in self.embeddings.values():
-                # Unit-norm rows on average: dot products start O(1), so the interaction
-                # is learned from the first steps (a small init sits near the saddle at 0).
-                nn.init.normal_(table.weight, std=embedding_dim**-0.5)
+        # Unit-norm rows on average: dot products start O(1), so the interaction is learned from the
+        # first steps (a small init sits near the saddle at 0).
+        self.embeddings = nn.ModuleDict(
+            {str(j): NormalEmbedding(n, dim, std=dim**-0.5) for j, n in enumerate(table_sizes)}
+        )
+        self.bottom = mlp([num_dense, *bottom_widths, dim], last_activation=True)
+        self.interaction = DotInteraction()
+        self.top = mlp([dim + num_features * (num_features - 1) // 2, *top_widths, 1], last_activation=False)
+        seed_built_model(self)
 
     # --- module protocol -------------------------------------------------------------
     def pipeline_split_batch(self, batch: Sequence[Tensor]) -> tuple[tuple[Tensor, Tensor], Tensor]:

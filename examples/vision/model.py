@@ -10,6 +10,10 @@ Note:
       one out per layer, and no extra token to keep on the first pipeline stage.
     * The blocks are :class:`examples.transformer.Block` with bidirectional attention (the
       GPT recipe uses the same block, causal).
+    * The layers are created in ``configure_model()`` (:mod:`examples.building`): on the ``meta``
+      device under the suite's strategies, so each rank allocates only its share. Linear weights are
+      truncated N(0, 0.02), biases zero, the position table N(0, 0.02), each through its module's own
+      ``reset_parameters()``; ``ViT(...).build()`` creates them without a Trainer.
 """
 
 from __future__ import annotations
@@ -23,8 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..building import BuildsInConfigureModel, NormalLinear, seed_built_model
 from ..optimization import weight_decay_groups, with_warmup_cosine
 from ..transformer import Block
+
+STD = 0.02  # Linear weights: truncated N(0, STD), biases zero; the position table: N(0, STD)
+linear = partial(NormalLinear, std=STD, truncated=True)
 
 
 class PatchEmbedding(nn.Module):
@@ -41,9 +49,14 @@ class PatchEmbedding(nn.Module):
     def __init__(self, image_size: int, patch_size: int, in_channels: int, d_model: int, dropout: float) -> None:
         super().__init__()
         self.patch_size = patch_size
-        self.proj = nn.Linear(in_channels * patch_size * patch_size, d_model)
-        self.pos = nn.Parameter(torch.zeros(1, (image_size // patch_size) ** 2, d_model))
+        self.proj = linear(in_channels * patch_size * patch_size, d_model)
+        self.pos = nn.Parameter(torch.empty(1, (image_size // patch_size) ** 2, d_model))
         self.drop = nn.Dropout(dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The position table, the one tensor this module holds itself (``proj`` initialises its own)."""
+        nn.init.normal_(self.pos, std=STD)
 
     def forward(self, images: Tensor) -> Tensor:
         # (B, C, H, W) -> (B, C*p*p, N) -> (B, N, C*p*p): one row per patch.
@@ -57,13 +70,13 @@ class ClassifierHead(nn.Module):
     def __init__(self, d_model: int, num_classes: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
-        self.proj = nn.Linear(d_model, num_classes)
+        self.proj = linear(d_model, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.proj(self.norm(x).mean(dim=1))
 
 
-class ViT(pl.LightningModule):
+class ViT(BuildsInConfigureModel, pl.LightningModule):
     """A small Vision Transformer classifier following the suite's module protocol.
 
     Batches are ``(images, labels)``: images ``(B, C, H, W)`` floats, labels ``(B,)`` class ids.
@@ -115,20 +128,20 @@ class ViT(pl.LightningModule):
             )
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=1e-3)
-        self.patch_embed = PatchEmbedding(image_size, patch_size, in_channels, d_model, dropout)
-        self.blocks = nn.ModuleDict(
-            {str(i): Block(d_model, n_head, mlp_ratio, dropout, causal=False) for i in range(n_layer)}
-        )
-        self.head = ClassifierHead(d_model, num_classes)
-        self.apply(self._init_weights)
-        nn.init.normal_(self.patch_embed.pos, std=0.02)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.trunc_normal_(module.weight, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
+    def configure_model(self) -> None:
+        """Create the layers (once): on ``meta`` under the suite's strategies, else with storage and the
+        seeded initial values every layout gives them."""
+        if hasattr(self, "blocks"):
+            return  # fit then test with one Trainer, or build() first: built once
+        hp = self.hparams
+        self.patch_embed = PatchEmbedding(hp.image_size, hp.patch_size, hp.in_channels, hp.d_model, hp.dropout)
+        self.blocks = nn.ModuleDict(
+            {str(i): Block(hp.d_model, hp.n_head, hp.mlp_ratio, hp.dropout, causal=False, linear=linear)
+             for i in range(hp.n_layer)}
+        )
+        self.head = ClassifierHead(hp.d_model, hp.num_classes)
+        seed_built_model(self)
 
     # --- module protocol -------------------------------------------------------------
     def pipeline_layers(self) -> list[nn.Module]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -145,12 +146,113 @@ def startup_table(cfg: Any, strategy: Any, layout: ParallelLayout, effective: Ef
     extra = dict(strategy.startup_rows(layout)) if hasattr(strategy, "startup_rows") else {}
     if hasattr(strategy, "activation_checkpointing"):  # DeepSpeed's strategy; the hybrid one has the row already
         extra.setdefault("activation checkpointing", describe_choice(strategy.activation_checkpointing))
+    extra.update(model_rows(cfg, strategy, layout))
     extra["same run on other devices"] = summary["reproduce"]
     reference = OmegaConf.to_container(cfg.scaling.reference, resolve=True)
     accelerator = cfg.trainer.accelerator
     cuda = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
     return startup_rows(summary["strategy"], layout, effective, reference, "cuda" if cuda else "cpu",
                         cfg.trainer.num_nodes, paths, extra)
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _meta_model(cfg: Any) -> tuple[Any, bool]:
+    """``cfg.model`` instantiated on ``meta`` with its ``configure_model()`` run, and whether that hook created the
+    parameters (the module had none before): what the strategies will build, at no memory cost."""
+    import torch
+    from hydra.utils import instantiate
+
+    with torch.device("meta"):
+        module = instantiate(cfg.model)
+        before = sum(1 for _ in module.parameters())
+        getattr(module, "configure_model", lambda: None)()
+    return module, before == 0 and any(True for _ in module.parameters())
+
+
+def layout_candidate(strategy: Any, layout: ParallelLayout) -> tuple[Any, str]:
+    """The planner's :class:`~lightning_parallel.planner.candidates.Candidate` of a run, and who builds the model:
+    ``"hybrid"`` (the suite's strategies), ``"deepspeed"`` or ``"replicas"`` (Lightning's DDP, one device).
+
+    Args:
+        strategy: the strategy object (or a name).
+        layout: the resolved layout.
+    """
+    from lightning_parallel.parallel.options import ParallelOptions
+    from lightning_parallel.planner.candidates import Candidate
+    from lightning_parallel.strategies.resolve import strategy_object
+
+    obj = strategy_object(strategy) if isinstance(strategy, str) else strategy
+    dp, pp, tp = layout.data_parallel, layout.pipeline_parallel, layout.tensor_parallel
+    options = getattr(obj, "options", None)
+    if isinstance(options, ParallelOptions):
+        shards = layout.data_shard if layout.hsdp_enabled else dp  # FSDP2 shards within an HSDP group
+        piped = pp > 1
+        candidate = Candidate("hybrid", shards, pp, tp, options.zero_stage, options.schedule if piped else "-",
+                              options.stages_per_rank if piped else 1, options.microbatches if piped else 1, 1, 1, 1)
+        return candidate, "hybrid"
+    zero = getattr(obj, "zero_stage", None)
+    if isinstance(zero, int):
+        return Candidate("deepspeed", dp, 1, 1, zero, "-", 1, 1, 1, 1, 1), "deepspeed"
+    return Candidate("hybrid", dp, 1, 1, 0, "-", 1, 1, 1, 1, 1), "replicas"
+
+
+def _build_description(kind: str, deferred: bool, zero: int) -> str:
+    if not deferred:
+        return "in __init__: every rank holds the whole model before the strategy splits it"
+    if kind == "hybrid":
+        return "configure_model on meta: only this rank's share is allocated"
+    if kind == "deepspeed" and zero == 3:
+        return "configure_model under deepspeed.zero.Init: each parameter is partitioned as it is created"
+    return "configure_model with storage: every rank builds the whole model (seeded as every layout is)"
+
+
+def model_rows(cfg: Any, strategy: Any, layout: ParallelLayout) -> dict[str, str]:
+    """Start-up rows on the model: its size, how the run builds it, and the bytes a rank is expected to hold.
+
+    The bytes are the planner's memory model (:mod:`lightning_parallel.planner.memory`) for this layout, on
+    the most loaded rank: parameters, gradients and optimizer state at rest (activations not counted), and
+    the peak while the model is built and split. A model that cannot be built here gets one row saying why.
+
+    Args:
+        cfg: the run's config (``model``, ``trainer.precision``).
+        strategy: the strategy object or name.
+        layout: the resolved layout.
+    """
+    from lightning_parallel.planner import memory
+    from lightning_parallel.planner.from_config import expected_state_bytes, optimizer_states, state_shape
+
+    try:
+        module, deferred = _meta_model(cfg)
+        candidate, kind = layout_candidate(strategy, layout)
+        precision = str(cfg.trainer.get("precision", "32-true"))
+        width = {"bf16-true": 2, "16-true": 2, "64-true": 8, "64": 8}.get(precision, 4)
+        shape = state_shape(module, candidate.pp > 1, optimizer_states(cfg), width)
+        on_meta = deferred and (kind == "hybrid" or (kind == "deepspeed" and candidate.zero == 3))
+        shape = replace(shape, built_on_meta=on_meta) if hasattr(shape, "built_on_meta") else shape
+        params, grads, optim = expected_state_bytes(shape, candidate)
+    except Exception as error:  # noqa: BLE001 - the table describes the run; it never stops it
+        return {"memory / rank": f"not estimated ({type(error).__name__}: {str(error).splitlines()[0][:120]})"}
+    optimizer = str(cfg.model.get("optimizer", {}).get("_target_", "AdamW")).rsplit(".", 1)[-1]
+    held = [f"parameters {_size(params)}", f"gradients {_size(grads)}",
+            f"optimizer state {_size(optim)} ({optimizer}: {shape.optimizer_states} per parameter)"]
+    setup = getattr(memory, "setup_bytes", None)  # the peak while the model is built and split
+    if setup is not None and hasattr(shape, "built_on_meta"):
+        ranks = [[i for stage in rank for i in stage] for rank in memory.stage_layers(shape, candidate)]
+        held.append(f"setup peak {_size(max(setup(shape, candidate, layers) for layers in ranks))}")
+    offload = [what for what, flag in (("optimizer state", "offload_optimizer"), ("parameters", "offload_parameters"))
+               if getattr(strategy, flag, False)]
+    note = "expected on the most loaded rank, activations not counted" + "".join(f"; {w} on CPU" for w in offload)
+    return {
+        "model": f"{shape.name}, {shape.num_params / 1e6:.3g}M parameters ({_size(shape.num_params * width)})",
+        "model build": _build_description(kind, deferred, candidate.zero),
+        "memory / rank": ", ".join(held) + f"  ({note})",
+    }
 
 
 def result_rows(trainer: Any, metrics: dict[str, float], cfg: Any) -> list[tuple[str, str]]:

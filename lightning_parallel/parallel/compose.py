@@ -241,7 +241,7 @@ def _wrap_data_axis(module: nn.Module, layout: ParallelLayout, options: Parallel
     policy = fsdp_policy(precision, options, layout)
     roots = stages or adapter.data_axis_roots()
     shard_data_axis(_data_axis_layers(module, split, adapter), roots, dp_mesh, options.zero_stage, policy,
-                    options.bucket_bytes, options.fsdp_prefetch)
+                    options.bucket_bytes, options.fsdp_prefetch, options.offload)
 
 
 def parallelize(

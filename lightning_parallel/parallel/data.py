@@ -19,6 +19,18 @@ Note:
     are DTensors on the data mesh, so the optimizer step pays DTensor dispatch (see
     ``benchmarks/data_axis_comm.py``). What FSDP2 lacks is DDP's communication hooks: bf16
     compression is its ``MixedPrecisionPolicy.reduce_dtype``; PowerSGD has no FSDP2 form.
+
+Note:
+    Offload (``offload="params"``, ZeRO 2/3) is FSDP2's one public policy, ``CPUOffloadPolicy``:
+    each sharded parameter lives in host memory and is copied to the device for its all-gather,
+    its reduced gradient is copied back, and the optimizer steps on the CPU with its state there.
+    FSDP2 has no policy that offloads the optimizer state alone (``OffloadPolicy`` is "none",
+    ``CPUOffloadPolicy`` its only subclass), so ``offload="optimizer"`` is refused by
+    :class:`~lightning_parallel.parallel.options.ParallelOptions` rather than run as something else.
+    On a CPU mesh the device memory is the host memory: the policy is applied (its code path runs:
+    copies to the mesh device, gradients to the CPU) but moves nothing, and without page pinning,
+    which needs an accelerator (``fully_shard`` raises "Cannot access accelerator device when none
+    is available" for the default ``pin_memory=True`` on a CPU-only build).
 """
 
 from __future__ import annotations
@@ -109,6 +121,7 @@ def shard_data_axis(
     mp_policy: Optional[Any] = None,
     bucket_bytes: int = 0,
     prefetch: Optional[int] = None,
+    offload: str = "none",
 ) -> None:
     """Apply FSDP2 ``fully_shard`` per layer (or bucket of layers), then to each root, over the data mesh.
 
@@ -129,14 +142,16 @@ def shard_data_axis(
         prefetch: each layer prefetches the all-gathers of this many following layers of its
             root in forward, and of as many preceding ones in backward (see :func:`set_prefetch`);
             None: FSDP2's default. Needs one unit per layer (``bucket_bytes=0``, as under ZeRO 2/3).
+        offload: ``"none"`` or ``"params"`` (:func:`offload_policy`; ``ParallelOptions.offload``).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs = {"mesh": dp_mesh, "reshard_after_forward": zero_stage == 3,
-              "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy()}
-    for group in _layers_by_root([layer for layer in layers if has_parameters(layer)], roots):
-        # A bucket never spans two roots: under interleaved schedules a rank's stages run as
-        # separate FSDP2 roots, and a unit shared by two of them fails their lazy init.
+              "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
+              "offload_policy": offload_policy(offload, dp_mesh.device_type)}
+    units = _layers_by_root([layer for layer in layers if has_parameters(layer)], roots)
+    for group in units:
+        # A bucket never spans two roots (a rank's interleaved stages): a shared unit fails their lazy init.
         for bucket in layer_buckets(group, bucket_bytes):
             # A list is one unit: its modules may run apart in the iteration (torch >= 2.13).
             fully_shard(bucket if len(bucket) > 1 else bucket[0], **kwargs)
@@ -146,9 +161,32 @@ def shard_data_axis(
         if bucket_bytes:
             raise ValueError(f"prefetch={prefetch} counts layers, but bucket_bytes={bucket_bytes} groups layers into "
                              "one unit: pass bucket_bytes=0.")
-        # Per root, i.e. per pipeline stage: a rank's next stage runs only after other micro-batches.
-        for group in _layers_by_root([layer for layer in layers if has_parameters(layer)], roots):
+        for group in units:  # per root, i.e. per pipeline stage: a rank's next stage runs after other micro-batches
             set_prefetch(group, prefetch)
+
+
+def offload_policy(offload: str, device_type: str) -> Any:
+    """FSDP2's offload policy for ``offload``: ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy`` (``"params"``).
+
+    ``CPUOffloadPolicy`` keeps the sharded parameters, their gradients and (the optimizer stepping where
+    the parameters are) the optimizer state in host memory. Host memory is pinned on an accelerator,
+    for asynchronous copies; on a CPU mesh nothing moves and pinning (which needs an accelerator) is off.
+
+    Args:
+        offload: ``"none"`` or ``"params"`` (``ParallelOptions.offload``, validated there).
+        device_type: the data mesh's device type (``"cuda"``, ``"cpu"``, ...).
+
+    Raises:
+        ValueError: any other ``offload`` (``"optimizer"`` has no FSDP2 form: use ``"params"``).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if offload == "none":
+        return OffloadPolicy()
+    if offload == "params":
+        return CPUOffloadPolicy(pin_memory=device_type != "cpu")
+    raise ValueError(f"offload={offload!r} has no FSDP2 policy: use 'none' or 'params' (parameters, gradients and "
+                     "optimizer state in host memory; see ParallelOptions).")
 
 
 def set_prefetch(units: Sequence[nn.Module], depth: int) -> None:

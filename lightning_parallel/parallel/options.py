@@ -33,6 +33,15 @@ ZERO_DESCRIPTIONS = {
     3: "FSDP2: parameters, gradients + optimizer state sharded",
 }
 
+OFFLOAD_MODES = ("none", "params")
+
+# What ``offload`` does (start-up table, docs).
+OFFLOAD_DESCRIPTIONS = {
+    "none": "none: parameters, gradients and optimizer state on the device",
+    "params": "FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer state in host memory, optimizer "
+              "step on the CPU (no-op where the device is the CPU)",
+}
+
 
 def plain(value: Any) -> Any:
     """Hydra passes DictConfig/ListConfig; the machinery wants plain containers."""
@@ -119,6 +128,11 @@ class ParallelOptions:
         fsdp_prefetch: ``zero_stage`` 2/3: each layer's FSDP2 unit issues the all-gathers of the next
             ``fsdp_prefetch`` layers of its stage ahead of time (and of the previous ones in backward);
             None: FSDP2's default (the next layer, issued when its own forward or backward starts).
+        offload: ``zero_stage`` 2/3: ``"none"`` or ``"params"`` (FSDP2's ``CPUOffloadPolicy``: the sharded
+            parameters, their gradients and the optimizer state live in host memory, each layer's shard is copied
+            to the device for its all-gather and the optimizer step runs on the CPU; on a CPU device nothing
+            moves). ``"optimizer"`` is refused: FSDP2 has no optimizer-only offload (see
+            :mod:`lightning_parallel.parallel.data`).
 
     Raises:
         ValueError: any option that cannot work, naming the fix.
@@ -145,6 +159,7 @@ class ParallelOptions:
     comm_hook: str = "none"
     bucket_size_mb: Optional[float] = None
     fsdp_prefetch: Optional[int] = None
+    offload: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
@@ -174,6 +189,7 @@ class ParallelOptions:
         self._check_data_split()
         self._check_bucket()
         self._check_prefetch()
+        self._check_offload()
 
     def _apply_comm_hook(self) -> None:
         refused = {
@@ -219,6 +235,24 @@ class ParallelOptions:
                 "Use zero_stage=2 or 3, or drop fsdp_prefetch."
             )
 
+    def _check_offload(self) -> None:
+        if self.offload == "optimizer":
+            raise ValueError(
+                "offload='optimizer' has no FSDP2 form: FSDP2's one offload policy, CPUOffloadPolicy, keeps the "
+                "sharded parameters, their gradients and the optimizer state in host memory together (the optimizer "
+                "steps on the CPU, where the parameters are); there is no optimizer-state-only policy. Use "
+                "offload='params' (it offloads the optimizer state too), or for a data-parallel-only layout "
+                "strategy=deepspeed strategy.offload_optimizer=true (DeepSpeed's ZeRO-Offload of the optimizer alone)."
+            )
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(f"Unknown offload={self.offload!r}: use one of {OFFLOAD_MODES} ('params': parameters, "
+                             "gradients and optimizer state in host memory).")
+        if self.offload != "none" and not self.zero_stage:
+            raise ValueError(
+                f"offload={self.offload!r} moves FSDP2's sharded parameters to host memory, but zero_stage=0 keeps "
+                "the whole model on every data rank (nothing is sharded). Use zero_stage=3 (or 2), or offload='none'."
+            )
+
     @property
     def bucket_bytes(self) -> int:
         """Bytes of one data-axis gradient bucket (DDP's default 25 MB under ``zero_stage=0``; ZeRO 2/3: per layer)."""
@@ -250,7 +284,8 @@ class ParallelOptions:
         """What decides how a module is split and sharded (a parallelised module cannot change them)."""
         return (self.schedule, self.stages_per_rank, self.partition, self.zero_stage, self.sequence_parallel,
                 self.loss_parallel, repr(self.plan), self.activation_checkpointing, self.param_dtype, self.reduce_dtype,
-                self.data_replicate_size, self.data_shard_size, self.bucket_size_mb, self.fsdp_prefetch)
+                self.data_replicate_size, self.data_shard_size, self.bucket_size_mb, self.fsdp_prefetch,
+                self.offload)
 
 
 def option_names() -> tuple[str, ...]:

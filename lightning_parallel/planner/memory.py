@@ -12,6 +12,10 @@ against real runs of the hybrid strategy:
   gradients are sharded like parameters and AdamW holds two states per local element;
 * DeepSpeed shards the flat optimizer state (stage 1), also gradients (2), also parameters (3)
   in ``dp`` equal parts.
+
+The peak of a rank is the larger of the training step's and the setup's (:func:`setup_bytes`):
+a model built with storage (in ``__init__``) is whole on every rank before it is split; one built
+on ``meta`` (in ``configure_model``) is materialised share by share.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class Memory:
         params: parameters at rest. grads: gradients. optim: optimizer state.
         activations: saved for backward at the peak of the step.
         working: gathered parameters while a sharded layer computes (FSDP2 / ZeRO-3).
+        setup: the peak while the model is built and split, before the first step (:func:`setup_bytes`).
     """
 
     params: float
@@ -38,6 +43,7 @@ class Memory:
     optim: float
     activations: float
     working: float = 0.0
+    setup: float = 0.0
 
     @property
     def states(self) -> float:
@@ -45,8 +51,14 @@ class Memory:
         return self.params + self.grads + self.optim
 
     @property
-    def total(self) -> float:
+    def training(self) -> float:
+        """The training step's peak: states, activations and gathered parameters."""
         return self.states + self.activations + self.working
+
+    @property
+    def total(self) -> float:
+        """The rank's peak: the larger of the training step's and the setup's."""
+        return max(self.training, self.setup)
 
 
 @lru_cache(maxsize=1024)
@@ -111,3 +123,31 @@ def working_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> float:
     full = [counts[i][0] for i in layers]
     gathered = sum(full) if (fsdp and c.zero in (0, 2)) else 2 * max(full, default=0)  # 2: prefetch
     return shape.param_bytes * gathered
+
+
+def setup_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> float:
+    """Bytes on one rank while the model is built and split (before any gradient or optimizer state exists).
+
+    Built with storage (``shape.built_on_meta=False``): the whole model, on every rank, before the split
+    (the strategy moves it to the device, then cuts and shards it). Built on ``meta``: the rank's share
+    (its parameters at rest) plus, where the share is a DTensor (tensor parallelism, or FSDP2 on the data
+    axis, ZeRO 2/3 or replicated over several data ranks; DeepSpeed ZeRO-3), one parameter at full size:
+    :mod:`lightning_parallel.parallel.materialize` initialises one module at a time at full size on the CPU
+    and ``distribute_tensor`` copies one of its tensors to the device at full size before slicing it
+    (modelled as the largest tensor of the rank's layers). A plain tensor is copied into place directly.
+    DeepSpeed below stage 3 holds whole parameters anyway (its at-rest share is the model).
+
+    Args:
+        shape: the model (``built_on_meta`` says how the run builds it).
+        c: the layout.
+        layers: the rank's layer indices.
+    """
+    if not shape.built_on_meta:
+        return float(shape.param_bytes * shape.num_params)
+    share = state_bytes(shape, c, layers)[0]
+    if c.engine == "deepspeed":
+        distributed = c.zero == 3 and c.dp > 1
+    else:
+        distributed = c.tp > 1 or c.zero in (2, 3) or c.dp > 1
+    largest = max((p.numel for i in layers for p in shape.layers[i].params), default=0)
+    return share + (shape.param_bytes * largest if distributed else 0.0)

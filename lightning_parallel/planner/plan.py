@@ -57,17 +57,27 @@ def make_plan(shape: ModelShape, cluster: Cluster, world: int, work: Workload,
     for c in candidates:
         p = predict(shape, cluster, c)
         if p.memory.total > cluster.memory_per_device:
-            m = p.memory
-            rejected.append(Rejected(c.name, f"does not fit: {m.total / _GB:.3g} GB > "
-                                     f"{cluster.memory_per_device / _GB:.3g} GB "
-                                     f"(states {m.states / _GB:.3g}, activations {m.activations / _GB:.3g}, "
-                                     f"gathered {m.working / _GB:.3g})", kind="memory"))
+            rejected.append(Rejected(c.name, _does_not_fit(p, shape, cluster), kind="memory"))
         else:
             ranked.append(p)
     # Ties (equal predictions) go to the simpler layout: fewer axes in use, lower ZeRO stage, no checkpointing.
     ranked.sort(key=lambda p: (-float(f"{p.throughput:.9g}"), p.candidate.pp * p.candidate.tp, p.candidate.zero,
                                p.candidate.checkpointing != "none"))
     return Plan(shape, cluster, world, tuple(ranked), tuple(dict.fromkeys(rejected)))  # one row per distinct refusal
+
+
+def _does_not_fit(p: Prediction, shape: ModelShape, cluster: Cluster) -> str:
+    """The refusal of a layout over the device memory: which peak, and its parts."""
+    m = p.memory
+    reason = (f"does not fit: {m.total / _GB:.3g} GB > {cluster.memory_per_device / _GB:.3g} GB "
+              f"(states {m.states / _GB:.3g}, activations {m.activations / _GB:.3g}, gathered {m.working / _GB:.3g}, "
+              f"setup {m.setup / _GB:.3g})")
+    if m.setup > m.training:
+        built = ("the whole model, built with storage before the split: build it in configure_model() (on meta) to "
+                 "hold only the rank's share" if not shape.built_on_meta
+                 else "the rank's share plus one parameter at full size while it is materialised")
+        reason += f"; the setup peak exceeds the step's ({built})"
+    return reason
 
 
 def strategy_overrides(c: Candidate) -> list[str]:

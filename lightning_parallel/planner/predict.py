@@ -16,7 +16,14 @@ from functools import lru_cache
 
 from lightning_parallel.planner.candidates import Candidate
 from lightning_parallel.planner.cluster import Cluster, Link
-from lightning_parallel.planner.memory import Memory, activation_bytes, stage_layers, state_bytes, working_bytes
+from lightning_parallel.planner.memory import (
+    Memory,
+    activation_bytes,
+    setup_bytes,
+    stage_layers,
+    state_bytes,
+    working_bytes,
+)
 from lightning_parallel.planner.schedule_sim import Simulated, rank_orders, simulate
 from lightning_parallel.planner.shapes import ModelShape
 
@@ -177,6 +184,7 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate) -> Prediction:
         rank_step = c.accumulate * (batch_time + per_batch) + sync + optimizer
         if rank_step > step:
             step, comm = rank_step, c.accumulate * per_batch + sync
-        memories.append(Memory(params, grads, optim, peaks[r], working_bytes(shape, c, layers)))
+        memories.append(Memory(params, grads, optim, peaks[r], working_bytes(shape, c, layers),
+                               setup_bytes(shape, c, layers)))
     worst = max(memories, key=lambda m: m.total)
     return Prediction(c, worst, step, c.accumulate * busy, bubble, comm)

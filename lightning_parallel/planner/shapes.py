@@ -78,6 +78,9 @@ class ModelShape:
         optimizer_states: optimizer state tensors per parameter (2 for Adam/AdamW).
         measured_seconds: ``f(micro_batch) -> forward+backward seconds of each layer`` on this machine, or None.
         source: how the shape was obtained (shown in tables).
+        built_on_meta: whether the run builds the model on the ``meta`` device (in ``configure_model``: each rank
+            then allocates only its share) rather than with storage (in ``__init__``: every rank holds the whole
+            model before the split). Decides the setup peak (:func:`~lightning_parallel.planner.memory.setup_bytes`).
     """
 
     name: str
@@ -87,6 +90,7 @@ class ModelShape:
     optimizer_states: int = 2
     measured_seconds: Optional[Callable[[int], Sequence[float]]] = field(default=None, compare=False, repr=False)
     source: str = "analytic"
+    built_on_meta: bool = True
 
     @property
     def num_params(self) -> int:

@@ -21,6 +21,9 @@ def _bytes(n: float) -> str:
 def ranked_table(plan: Plan, top: int, measured: Optional[Mapping[str, float]] = None) -> Table:
     """The ``top`` layouts, fastest predicted first; a ``measured`` column when samples/s were measured.
 
+    ``setup/rank`` is the peak while the model is built and split (the whole model when it is built with
+    storage); ``total/rank`` the larger of it and the training step's.
+
     Args:
         plan: the plan.
         top: rows to show.
@@ -28,13 +31,16 @@ def ranked_table(plan: Plan, top: int, measured: Optional[Mapping[str, float]] =
     """
     table = Table(title=f"lp-plan: {plan.shape.name} on {plan.world} x {plan.cluster.name} "
                         f"({len(plan.ranked)} layouts fit, {len(plan.rejected)} refused)")
-    for column in ("#", "layout", "samples/s", "step", "bubble", "comm", "states/rank", "activations", "total/rank"):
+    columns = ("#", "layout", "samples/s", "step", "bubble", "comm", "states/rank", "activations", "setup/rank",
+               "total/rank")
+    for column in columns:
         table.add_column(column, justify="left" if column == "layout" else "right")
     if measured is not None:
         table.add_column("measured samples/s", justify="right")
     for i, p in enumerate(plan.ranked[:top], 1):
         row = [str(i), p.candidate.name, f"{p.throughput:.4g}", f"{p.step_time * 1e3:.4g} ms", f"{p.bubble:.0%}",
-               f"{p.comm * 1e3:.3g} ms", _bytes(p.memory.states), _bytes(p.memory.activations), _bytes(p.memory.total)]
+               f"{p.comm * 1e3:.3g} ms", _bytes(p.memory.states), _bytes(p.memory.activations),
+               _bytes(p.memory.setup), _bytes(p.memory.total)]
         if measured is not None:
             value = measured.get(p.candidate.name)
             row.append("-" if value is None else f"{value:.4g}")

@@ -37,7 +37,7 @@ from lightning_parallel.parallel.activation_checkpoint import describe_choice
 from lightning_parallel.parallel.compose import Parallelized, check_module, parallelize
 from lightning_parallel.parallel.data import build_data_mesh, deferred_gradient_sync
 from lightning_parallel.parallel.materialize import Materialization
-from lightning_parallel.parallel.options import ZERO_DESCRIPTIONS, ParallelOptions, options_from
+from lightning_parallel.parallel.options import OFFLOAD_DESCRIPTIONS, ZERO_DESCRIPTIONS, ParallelOptions, options_from
 from lightning_parallel.parallel.pipeline import tied as pipeline_tied
 from lightning_parallel.parallel.pipeline.chain_check import on_meta
 from lightning_parallel.parallel.pipeline.partition import measure_layer_times
@@ -149,7 +149,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             rows["tensor"] = f"sequence_parallel={o.sequence_parallel}, loss_parallel={o.loss_parallel}"
         rows["data"] = ZERO_DESCRIPTIONS[o.zero_stage] + (
             f"; HSDP {layout.data_replicate} replica groups x {layout.data_shard} shards" if layout.hsdp_enabled else ""
-        )
+        ) + (f"; offload {o.offload}: {OFFLOAD_DESCRIPTIONS[o.offload]}" if o.offload != "none" else "")
         rows["precision"] = describe_precision(str(self.precision_plugin.precision), o, layout)
         rows["activation checkpointing"] = describe_choice(o.activation_checkpointing)
         rows.update(rank_map_rows(layout))
@@ -191,6 +191,13 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._mesh = self.layout.build_mesh(self.root_device.type)
         self._data_mesh = build_data_mesh(self.layout, self._mesh, self.options.zero_stage)
         _compat.set_module_device_mesh(self.lightning_module, self._mesh)
+
+    def _get_process_group_backend(self) -> str:
+        # Offloaded gradients live on the CPU: clipping and checkpoint gathers then need a CPU backend too
+        # (torchtitan's "cuda:nccl,cpu:gloo" under FSDP2 CPU offload).
+        if self._process_group_backend is None and self.options.offload != "none" and self.root_device.type == "cuda":
+            return "cuda:nccl,cpu:gloo"
+        return super()._get_process_group_backend()
 
     @property
     def adapter(self) -> ModelAdapter:

@@ -35,7 +35,7 @@ def test_experiment_composes_a_glue_free_module_padded_data_and_its_layout(exper
     strategy = instantiate(cfg.strategy)
     layout = layout_of(strategy, world_size_of(cfg))
     assert (layout.data_parallel, layout.pipeline_parallel, layout.tensor_parallel) == EXPERIMENTS[experiment]
-    model, data = instantiate(cfg.model), instantiate(cfg.data)
+    model, data = instantiate(cfg.model).build(), instantiate(cfg.data)
     assert not [name for name in PROTOCOL_METHODS if hasattr(model, name)]
     assert model.model.config.tie_word_embeddings and model.model.config.vocab_size == data.hparams.vocab_size == 128
     data.setup()

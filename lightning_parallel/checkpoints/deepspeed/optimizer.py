@@ -82,6 +82,31 @@ def _split_key(key: str, values: list[list[Any]], partitions: list[list[torch.Te
     raise _unsupported(key, "is neither laid out like the flat fp32 partition nor a scalar")
 
 
+def _without_group_padding(
+    values: list[list[Any]], partitions: list[list[torch.Tensor]], paddings: list[list[int]]
+) -> list[list[Any]]:
+    """ZeRO 1/2 element-wise state cut to the length of the saved fp32 partitions.
+
+    Args:
+        values: ``values[rank][i]``: one state key's value for flat partition ``i`` of that rank.
+        partitions: ``partitions[rank][i]``: the saved fp32 master-weight partition.
+        paddings: ``paddings[rank][i]``: the shard's ``group_paddings``, elements of alignment padding.
+
+    Note:
+        ZeRO 1/2 pad each param group's flat buffer to a multiple of 2 x the data-parallel size; the
+        padding ends the last rank's partition (or the last ranks'), ``group_paddings[i]`` elements on
+        each. ``state_dict`` saves the fp32 partitions without it but the wrapped torch optimizer's state
+        (SGD's ``momentum_buffer``, Adam's moments) with it, so there each element-wise tensor is longer
+        by exactly that padding, which no parameter reads. Cutting it off is what DeepSpeed's own
+        ``_get_state_without_padding`` does for elastic checkpoints. ZeRO-3 saves both with padding.
+    """
+    return [
+        [v[: p.numel()] if pad and torch.is_tensor(v) and v.dim() == 1 and v.numel() == p.numel() + pad else v
+         for v, p, pad in zip(rank_values, rank_parts, rank_pads)]
+        for rank_values, rank_parts, rank_pads in zip(values, partitions, paddings)
+    ]
+
+
 def _read_zero_shards(tag_dir: Path) -> tuple[int, list[dict[str, Any]], list[dict[str, Any]]]:
     """The ZeRO stage, each rank's ZeRO optimizer state and each rank's wrapped torch optimizer state."""
     from deepspeed.utils import zero_to_fp32
@@ -117,9 +142,12 @@ def _zero_optimizer_state(tag_dir: Path) -> dict[str, Any]:
             "with no state (saved before the first optimizer step?): cannot map the optimizer state to parameters."
         )
     fp32 = [shard["single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"] for shard in shards]
+    group_paddings = [shard.get("group_paddings") or [0] * len(order) for shard in shards]  # ZeRO 1/2
     state: dict[str, dict[str, Any]] = {name: {} for flat in names for name in flat}
     for key in inner[0]["state"][order[0]]:
         values = [[rank["state"][index].get(key) for index in order] for rank in inner]
+        if stage <= 2:
+            values = _without_group_padding(values, fp32, group_paddings)
         if _split_key(key, values, fp32) == "flat":
             paddings = shards[0].get("param_alignment_paddings")
             for name, tensor in _merge_flat(stage, len(shards), values, model_states, paddings).items():

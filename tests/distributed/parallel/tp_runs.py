@@ -25,7 +25,7 @@ VOCAB, SEQ, BATCH = 256, 16, 4
 
 def tiny_gpt(seed: int = 0) -> GPT:
     torch.manual_seed(seed)
-    return GPT(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=2, n_head=4, mlp_ratio=4, dropout=0.0)
+    return GPT(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=2, n_head=4, mlp_ratio=4, dropout=0.0).build()
 
 
 def batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -17,7 +17,7 @@ PROTOCOL_METHODS = ("pipeline_layers", "pipeline_loss", "pipeline_loss_terms", "
 
 @pytest.mark.parametrize("family", sorted(FAMILY_DEFAULTS))
 def test_family_builds_a_tiny_random_model_with_no_protocol_method(family):
-    module = HFCausalLM(family)
+    module = HFCausalLM(family).build()
     cfg = module.model.config
     assert cfg.model_type == family and cfg.vocab_size == 128 and cfg.num_hidden_layers == 4
     assert sum(p.numel() for p in module.parameters()) < 100_000
@@ -47,7 +47,7 @@ def test_missing_transformers_names_the_extra(monkeypatch):
 
 def test_training_step_is_the_models_mean_over_valid_tokens():
     torch.manual_seed(0)
-    module = HFCausalLM("llama")
+    module = HFCausalLM("llama").build()
     documents = PaddedDocuments(torch.randint(32, 127, (4 * 16,)), seq_len=16, vocab_size=128)
     batch = torch.utils.data.default_collate([documents[i] for i in range(4)])
     logits = module(batch["input_ids"], batch["attention_mask"])

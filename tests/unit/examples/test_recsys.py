@@ -64,14 +64,14 @@ def test_bayes_auc_is_the_auc_of_the_true_probabilities_and_beats_noisier_scores
 
 
 def test_tables_dominate_the_default_model():
-    model = DLRM()
+    model = DLRM().build()
     tables = sum(p.numel() for n, p in model.named_parameters() if n.startswith("embeddings."))
     assert tables / sum(p.numel() for p in model.parameters()) > 0.9
 
 
 def test_forward_shape_loss_and_plan():
     torch.manual_seed(0)
-    model = DLRM(num_dense=3, table_sizes=TABLES, embedding_dim=8)
+    model = DLRM(num_dense=3, table_sizes=TABLES, embedding_dim=8).build()
     (log,) = synthetic_click_log([32], TABLES, num_dense=3)
     dense, sparse, labels = log.dataset().tensors
     logits = model(dense, sparse)

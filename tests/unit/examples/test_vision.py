@@ -11,7 +11,7 @@ from lightning_parallel.parallel.tensor.plan import resolve_plan
 
 def test_forward_shapes_and_pipeline_layers_compose():
     torch.manual_seed(0)
-    model = ViT(d_model=16, n_layer=3, n_head=2).eval()
+    model = ViT(d_model=16, n_layer=3, n_head=2).build().eval()
     images = torch.rand(5, 1, 8, 8)
     logits = model(images)
     assert logits.shape == (5, 10)
@@ -24,7 +24,7 @@ def test_forward_shapes_and_pipeline_layers_compose():
 
 
 def test_tensor_plan_resolves_to_the_attention_and_mlp_of_every_block():
-    plan = resolve_plan(ViT(n_layer=2))
+    plan = resolve_plan(ViT(n_layer=2).build())
     parts = ("attn", "attn.q", "attn.k", "attn.v", "attn.out", "mlp", "mlp.up", "mlp.down")
     assert set(plan) == {f"blocks.{i}.{m}" for i in range(2) for m in parts}
 

@@ -27,7 +27,7 @@ def _gpt(dropout: float = 0.2):
     from examples.nlp.model import GPT
 
     torch.manual_seed(0)
-    return GPT(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4, dropout=dropout)
+    return GPT(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4, dropout=dropout).build()
 
 
 def _loss_and_grads(model, tokens) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -24,7 +24,7 @@ from lightning_parallel.testing.models import ResidualMLP
 @pytest.fixture(scope="module")
 def gpt():
     with torch.device("meta"):
-        return GPT(d_model=32, n_layer=2, n_head=4, seq_len=16)
+        return GPT(d_model=32, n_layer=2, n_head=4, seq_len=16).build()
 
 
 def test_style_names():
@@ -149,7 +149,7 @@ def test_validate_names_heads_and_valid_sizes(gpt):
 def test_validate_names_hidden_and_vocabulary():
     with torch.device("meta"):
         # 6 heads of width 8: tp=4 divides d_model=48 and the MLP (192) but not the heads or the vocabulary 250.
-        model = GPT(vocab_size=250, d_model=48, n_layer=1, n_head=6, seq_len=16)
+        model = GPT(vocab_size=250, d_model=48, n_layer=1, n_head=6, seq_len=16).build()
     plan = resolve_plan(model)
     with pytest.raises(ValueError) as info:
         validate_tensor_parallel(model, plan, 4)

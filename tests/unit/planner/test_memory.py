@@ -20,7 +20,7 @@ KWARGS = {"seq_len": 16, "d_model": 32, "n_layer": 3, "n_head": 4, "vocab_size":
 @pytest.fixture(scope="module")
 def gpt_and_shape():
     torch.manual_seed(0)
-    model = GPT(**KWARGS)
+    model = GPT(**KWARGS).build()
     return model, profile_module(model, torch.randint(0, 64, (2, 16)), "gpt")
 
 

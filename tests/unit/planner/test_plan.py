@@ -28,7 +28,7 @@ def fake_timer(layers: int):
 def gpt_shape():
     torch.manual_seed(0)
     shape = profile_module(
-        GPT(seq_len=16, d_model=32, n_layer=2, n_head=4, vocab_size=64), torch.randint(0, 64, (2, 16))
+        GPT(seq_len=16, d_model=32, n_layer=2, n_head=4, vocab_size=64).build(), torch.randint(0, 64, (2, 16))
     )
     return replace(shape, measured_seconds=fake_timer(len(shape.layers)))  # no timing in tests
 
@@ -126,6 +126,6 @@ def test_planned_strategy_resolves_to_the_chosen_layout(tmp_path: Path, monkeypa
 def _tiny_measured(cfg):
     from hydra.utils import instantiate
 
-    model = instantiate(cfg.model)
+    model = instantiate(cfg.model).build()
     shape = profile_module(model, torch.randint(0, 64, (2, int(cfg.data.seq_len))))
     return replace(shape, measured_seconds=fake_timer(len(shape.layers)))

@@ -51,8 +51,8 @@ def test_bad_arguments_fail_at_construction(kwargs, message):
 def test_invalid_layouts_for_a_model_raise_naming_the_fix(world, kwargs, model, message):
     module = {
         "mlp": lambda: ResidualMLP(width=16, depth=4),
-        "gpt": lambda: GPT(d_model=32, n_layer=2, n_head=4, seq_len=16),
-        "gpt3heads": lambda: GPT(d_model=24, n_layer=2, n_head=3, seq_len=16),
+        "gpt": lambda: GPT(d_model=32, n_layer=2, n_head=4, seq_len=16).build(),
+        "gpt3heads": lambda: GPT(d_model=24, n_layer=2, n_head=3, seq_len=16).build(),
     }[model]()
     strategy = HybridParallelStrategy(**kwargs)
     with pytest.raises(ValueError, match=message):
