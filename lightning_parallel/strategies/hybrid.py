@@ -17,7 +17,6 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -40,11 +39,11 @@ from lightning_parallel.parallel.materialize import Materialization
 from lightning_parallel.parallel.options import OFFLOAD_DESCRIPTIONS, ZERO_DESCRIPTIONS, ParallelOptions, options_from
 from lightning_parallel.parallel.pipeline import tied as pipeline_tied
 from lightning_parallel.parallel.pipeline.chain_check import on_meta
-from lightning_parallel.parallel.pipeline.partition import measure_layer_times
 from lightning_parallel.parallel.pipeline.stages import PipelineSplit
 from lightning_parallel.parallel.precision import check_precision, describe_precision
 from lightning_parallel.strategies import executors
 from lightning_parallel.strategies.clipping import GlobalNormClipping
+from lightning_parallel.strategies.layer_timing import agreed_layer_times
 from lightning_parallel.strategies.resolved_adapter import resolved_adapter
 from lightning_parallel.strategies.timeouts import CollectiveTimeout, names_timeouts
 
@@ -246,7 +245,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if timed and on_meta(module):
             raise ValueError("partition='time' times each layer, but the model is on the meta device (built in "
                              "configure_model): use partition='parameters' or explicit cut points.")
-        times = self._agreed_layer_times(module, trainer) if timed else None
+        times = agreed_layer_times(adapter, trainer, self.options.microbatches, self.root_device,
+                                   self.world_size) if timed else None
         seed = int(self.broadcast(torch.initial_seed()))  # meta init: one seed on every rank, seeded or not
         if not on_meta(module) and (layout.world_size > layout.data_parallel or self.options.zero_stage == 3):
             rank_zero_info(f"lightning_parallel: {type(module).__name__} was built with storage, so every rank held "
@@ -263,20 +263,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
             from lightning_parallel.runtime.console import print_table
 
             print_table("lightning_parallel: pipeline split", list(split.describe().items()))
-
-    def _agreed_layer_times(self, module: pl.LightningModule, trainer: pl.Trainer) -> list[float]:
-        """Per-layer forward+backward seconds, averaged over all ranks so every rank cuts the same way."""
-        try:
-            batch = next(iter(_train_dataloader(trainer)))
-        except Exception as error:  # noqa: BLE001 - any failure here means: no sample batch
-            raise ValueError(
-                "partition='time' measures layers on a training batch, but none could be loaded: use 'parameters'."
-            ) from error
-        inputs, _ = self.adapter.split_batch(batch)
-        sample = inputs[: max(1, inputs.shape[0] // self.options.microbatches)].to(self.root_device)
-        times = torch.tensor(measure_layer_times(module.pipeline_layers(), sample), dtype=torch.float64)
-        dist.all_reduce(times)
-        return (times / self.world_size).tolist()
 
     # --- steps: delegated to the executor chosen in setup --------------------------------
     @override
@@ -393,9 +379,3 @@ def _unwrap(optimizer: Any) -> Optimizer:
     """The torch optimizer inside a ``LightningOptimizer`` (or the optimizer itself)."""
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
-
-def _train_dataloader(trainer: pl.Trainer) -> Any:
-    """The training loader, through the public hooks where they can give it."""
-    if trainer.datamodule is not None:
-        return trainer.datamodule.train_dataloader()
-    return _compat.fit_loop_train_dataloader(trainer)  # loaders passed straight to fit()
