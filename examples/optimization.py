@@ -19,7 +19,8 @@ def weight_decay_groups(
     Note:
         Groups are built from the parameters the module holds *now*: under a pipeline split
         that is only this rank's stages, so a group can be empty, and empty groups are
-        dropped (an optimizer refuses one).
+        dropped (an optimizer refuses one). A parameter DeepSpeed ZeRO-3 partitioned as it was
+        created (``deepspeed.zero.Init``) counts by its full shape (``ds_shape``), not by its local slice.
 
     Args:
         module: the model (frozen parameters are left out).
@@ -30,7 +31,8 @@ def weight_decay_groups(
     decay, no_decay = [], []
     for name, param in module.named_parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 and not exempt(name) else no_decay).append(param)
+            ndim = len(getattr(param, "ds_shape", param.shape))
+            (decay if ndim >= 2 and not exempt(name) else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 

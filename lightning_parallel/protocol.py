@@ -56,6 +56,7 @@ the suite but :mod:`lightning_parallel.resumable_loader` (never ``strategies`` o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import Any, Callable
 
@@ -121,19 +122,32 @@ def owned_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
 def seeded_init(module: nn.Module, seed: int, init: InitFn = reset_parameters) -> None:
     """Give an eagerly built ``module`` the initial values :func:`materialize` gives it under any layout.
 
+    Parameters DeepSpeed ZeRO-3 partitioned at construction (``zero.Init``) are gathered whole around each
+    module's initialiser and partitioned again (``GatheredParameters``): the same values, one module at a time.
+
     Args:
-        module: a whole model with storage (one process).
+        module: a whole model with storage (every rank builds it the same way).
         seed: the seed the parallel runs use.
         init: the same initialiser the parallel runs use.
     """
     seen: set[int] = set()
     for owner_name, owner in module.named_modules():
         owned = [t for _, t in owned_tensors(owner)]
-        kept = [(t, t.detach().clone()) for t in owned if id(t) in seen]  # tied: their first owner's value stays
+        if all(id(t) in seen for t in owned):
+            continue
+        with _gathered([t for t in owned if hasattr(t, "ds_id")]), torch.random.fork_rng(devices=[]), torch.no_grad():
+            kept = [(t, t.detach().clone()) for t in owned if id(t) in seen]  # tied: their first owner's value stays
+            torch.manual_seed(layer_seed(seed, owner_name))
+            init(owner_name, owner)
+            for tensor, value in kept:
+                tensor.copy_(value)
         seen.update(id(t) for t in owned)
-        if len(kept) < len(owned):
-            with torch.random.fork_rng(devices=[]), torch.no_grad():
-                torch.manual_seed(layer_seed(seed, owner_name))
-                init(owner_name, owner)
-                for tensor, value in kept:
-                    tensor.copy_(value)
+
+
+def _gathered(partitioned: list[Tensor]) -> Any:
+    """DeepSpeed's ``GatheredParameters`` (rank 0's values kept) around ZeRO-3-partitioned tensors, else nothing."""
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0)

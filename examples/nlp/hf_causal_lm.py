@@ -22,6 +22,7 @@ Note:
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -123,6 +124,29 @@ def model_config(
     return cfg
 
 
+def _zero_init_open() -> bool:
+    """Whether a ``deepspeed.zero.Init`` context is open (Lightning opens one around configure_model under ZeRO-3)."""
+    return bool(getattr(sys.modules.get("deepspeed.runtime.zero.partition_parameters"), "zero_init_context", 0))
+
+
+def new_model(cfg: Any, attn_implementation: str) -> nn.Module:
+    """``AutoModelForCausalLM.from_config``; inside ``deepspeed.zero.Init`` without transformers' own initialisation.
+
+    ZeRO-3 partitions each submodule's parameters as it is created, so the initialisation transformers runs on the
+    whole model at the end would meet empty slices: it is skipped (the weights are tied again), and the caller
+    initialises or loads each module gathered (:func:`examples.building.seed_built_model`, :func:`load_pretrained`).
+    """
+    transformers = _transformers()
+    if not _zero_init_open():
+        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
+    model.tie_weights()
+    return model
+
+
 def load_pretrained(module: nn.Module, folder: str, prefix: str = "model.") -> None:
     """Fill a model built with storage from a ``save_pretrained`` folder, before any engine copies its weights.
 
@@ -208,6 +232,9 @@ class HFCausalLM(BuildsInConfigureModel, pl.LightningModule):
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=3e-3)
         self.model_config = model_config(config, dict(config_overrides or {}), vocab_size, pretrained)
+        # Import the model's class now: defined inside deepspeed.zero.Init (configure_model under ZeRO-3), a class
+        # would lose the __init__ wrappers transformers' kernels put on it when the context restores its classes.
+        _transformers().MODEL_FOR_CAUSAL_LM_MAPPING[type(self.model_config)]
         self.pretrained_loaded = False
 
     def configure_model(self) -> None:
@@ -215,9 +242,8 @@ class HFCausalLM(BuildsInConfigureModel, pl.LightningModule):
         after the split), else with storage: the folder's weights, or the seeded values every layout gives it."""
         if hasattr(self, "model"):
             return  # fit then test with one Trainer, or build() first: built once
-        attn = self.hparams.attn_implementation
-        self.model = _transformers().AutoModelForCausalLM.from_config(self.model_config, attn_implementation=attn)
-        folder = self.hparams.pretrained
+        self.model = new_model(self.model_config, self.hparams.attn_implementation)
+        folder = self.hparams.get("pretrained")
         if folder is None:
             seed_built_model(self)
         elif not any(p.is_meta for p in self.model.parameters()):
@@ -226,7 +252,7 @@ class HFCausalLM(BuildsInConfigureModel, pl.LightningModule):
 
     def configure_callbacks(self) -> list[pl.Callback]:
         """The folder's weights after the strategy split the model (``pretrained`` only)."""
-        folder = self.hparams.pretrained
+        folder = self.hparams.get("pretrained")
         return [] if folder is None else [PretrainedWeights(str(folder))]
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:

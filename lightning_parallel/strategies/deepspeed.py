@@ -62,6 +62,7 @@ from lightning_parallel.strategies.deepspeed_config import (
     build_zero_config,
     resolve_zero_stage,
 )
+from lightning_parallel.strategies.deepspeed_init import use_deepspeed_accelerator
 from lightning_parallel.strategies.resolved_adapter import resolved_adapter
 
 # Names registered by DeepSpeedDataParallelStrategy.register_strategies -> constructor arguments.
@@ -129,7 +130,10 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
 
     Lightning's ``DeepSpeedStrategy`` with the CUDA-only restriction lifted. The batch
     size, gradient accumulation, clipping and precision come from the Trainer and its data;
-    this strategy only asks for what is DeepSpeed's own.
+    this strategy only asks for what is DeepSpeed's own. Under ZeRO-3 a model built in
+    ``configure_model`` is partitioned as it is constructed (``deepspeed.zero.Init``, Lightning's
+    ``model_sharded_context``), on CPU too: no rank holds it whole (see
+    :mod:`~lightning_parallel.strategies.deepspeed_init`).
 
     Args:
         zero_stage: ZeRO stage: 0 (plain data parallel), 1 (shard optimizer state),
@@ -225,7 +229,7 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
         check_activation_checkpointing(
             self.lightning_module, self.activation_checkpointing, adapter=resolved_adapter(self)
         )
-        _use_deepspeed_accelerator(self.device_type)
+        use_deepspeed_accelerator(self.device_type)  # before configure_model: zero.Init allocates there
         # Skip DeepSpeedStrategy.setup_environment (its CUDA check); DDPStrategy's sets the
         # device up and calls setup_distributed below.
         super(DeepSpeedStrategy, self).setup_environment()
@@ -373,27 +377,4 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
             f"{self.config['train_micro_batch_size_per_gpu']} x accumulation "
             f"{self.config['gradient_accumulation_steps']} x {self.world_size} ranks = "
             f"{self.config['train_batch_size']} samples per step, clipping {self.config['gradient_clipping']}"
-        )
-
-
-def _use_deepspeed_accelerator(device_type: str) -> None:
-    """Make DeepSpeed's process-wide accelerator match Lightning's device type.
-
-    Note:
-        DeepSpeed picks its accelerator once per process (CUDA when it sees a GPU). A CPU
-        run on a machine with a GPU must switch it to CPU before the engine is built, or
-        DeepSpeed would place tensors on CUDA and talk NCCL. It is DeepSpeed's own global;
-        setting it to the device this process trains on is the only safe value.
-    """
-    from deepspeed.accelerator import get_accelerator, set_accelerator
-
-    current = get_accelerator()
-    if device_type == "cpu" and current.device_name() != "cpu":
-        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-        set_accelerator(CPU_Accelerator())
-    elif device_type == "cuda" and current.device_name() != "cuda":
-        raise ValueError(
-            f"Lightning trains on CUDA but DeepSpeed's accelerator is {current.device_name()!r}: "
-            "unset DS_ACCELERATOR (or set DS_ACCELERATOR=cuda)."
         )

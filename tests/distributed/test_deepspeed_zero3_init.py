@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from lightning_parallel.protocol import seeded_init
 from lightning_parallel.testing import max_abs_difference, run_processes
 from lightning_parallel.testing.fit import fit_recording_losses
 from lightning_parallel.testing.models import DeferredResidualMLP, ResidualMLP, regression_dataset
@@ -127,3 +128,35 @@ def test_losses_equal_one_process(zero3, reference):
         assert diff < TOLERANCE, f"ZeRO-3 built under zero.Init, rank {rank}: max |diff| {diff:.2e}"
         # Negative control: the comparison can fail, as it does against rank 1's own seed.
         assert max_abs_difference(result["losses"], reference["other_seed"]) > 1e-3
+
+
+class _SeededBuild(DeferredResidualMLP):
+    """Builds in ``configure_model`` and gives itself the suite's per-module seeded initialisation, as the recipes
+    do when they are built with storage: under ZeRO-3 the parameters are already partitioned there."""
+
+    def configure_model(self) -> None:
+        if hasattr(self, "inp"):
+            return
+        super().configure_model()
+        seeded_init(self, SEED)
+
+    def on_train_start(self) -> None:
+        self.initial = _full_weights(self)
+
+
+def _seeded_zero3(rank: int, world_size: int) -> dict:
+    from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
+
+    pl.seed_everything(SEED, verbose=False)
+    module = _SeededBuild(optimizer="sgd")
+    fit_recording_losses(module, DeepSpeedDataParallelStrategy(zero_stage=3), world_size,
+                         regression_dataset(SAMPLES, 32), GLOBAL_BATCH // world_size, 1)
+    return module.initial
+
+
+def test_seeded_init_reaches_zero3_partitions_with_the_values_every_layout_starts_from():
+    expected = ResidualMLP()
+    seeded_init(expected, SEED)  # what the suite's layouts materialise a meta-built model to
+    for rank, initial in enumerate(run_processes(_seeded_zero3, 2, timeout=600)):
+        for name, value in expected.state_dict().items():
+            assert torch.equal(initial[name], value), f"rank {rank}: {name}"

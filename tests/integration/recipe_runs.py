@@ -20,18 +20,25 @@ SAMPLES = 32  # 2 batches of 16, each seen 5 times in 10 steps: the loss falls r
 TINY_TABLES = (64, 32, 8, 8, 8)  # users, items, segments, categories, hour: all divisible by 2 and 4
 
 
-def strategy_from_conf(name: str, overrides: tuple[str, ...] = ()) -> Any:
-    """The strategy ``conf/strategy/<name>.yaml`` instantiates (``"auto"`` for ``single``)."""
+def compose_conf(overrides: list[str]) -> Any:
+    """``conf/config.yaml`` composed with ``overrides``, as ``lp-train`` would."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.utils import instantiate
 
     from lightning_parallel.cli.train import CONFIG_DIR
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("config", overrides=[f"strategy={name}", *overrides, "paths.output_dir=/tmp/lp-recipe-runs"])
+        cfg = compose("config", overrides=[*overrides, "paths.output_dir=/tmp/lp-recipe-runs"])
     GlobalHydra.instance().clear()
+    return cfg
+
+
+def strategy_from_conf(name: str, overrides: tuple[str, ...] = ()) -> Any:
+    """The strategy ``conf/strategy/<name>.yaml`` instantiates (``"auto"`` for ``single``)."""
+    from hydra.utils import instantiate
+
+    cfg = compose_conf([f"strategy={name}", *overrides])
     return cfg.strategy if isinstance(cfg.strategy, str) else instantiate(cfg.strategy)
 
 
@@ -126,6 +133,43 @@ def fit_recipe(
     return {"losses": losses, "embedding_bytes": embedding_bytes(model)}
 
 
+def full_documents(samples: int = 16, seq_len: int = 16) -> Any:
+    """Byte-level documents for the Hugging Face recipe, all ``seq_len`` long (no padding: every rank's
+    token mean is the global one, so a data-parallel loss compares with one process exactly)."""
+    from examples.nlp.hf_data import PaddedDocuments
+
+    tokens = torch.randint(32, 127, (samples * seq_len,), generator=torch.Generator().manual_seed(0))
+    return PaddedDocuments(tokens, seq_len=seq_len, vocab_size=128, min_length=seq_len)
+
+
+def fit_pretrained(rank: int, world_size: int, folder: str, strategy: str, data_parallel: int = 1,
+                   global_batch: int = 8, steps: int = 2) -> dict[str, Any]:
+    """Fit the Hugging Face recipe (``model=hf_causal_lm``) with ``model.pretrained=folder`` and nothing else set
+    for the weights, under ``conf/strategy/<strategy>.yaml``; return the losses (or the error).
+
+    Returns:
+        ``{"losses": [...], "vocab_size": the model's vocabulary}`` or ``{"error": message}``.
+    """
+    from hydra.utils import instantiate
+
+    cfg = compose_conf(["model=hf_causal_lm", "data=text_padded", f"strategy={strategy}", f"model.pretrained={folder}",
+                        "model.warmup_steps=0"])
+    pl.seed_everything(0)
+    model = instantiate(cfg.model)
+    built = cfg.strategy if isinstance(cfg.strategy, str) else instantiate(cfg.strategy)
+    try:
+        losses = fit_recording_losses(model, built, world_size, full_documents(), global_batch // data_parallel,
+                                      steps, limit_val_batches=0)
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"losses": losses, "vocab_size": model.model.config.vocab_size}
+
+
+def fit_pretrained_cases(rank: int, world_size: int, folder: str, cases: dict[str, dict]) -> dict[str, dict]:
+    """Several :func:`fit_pretrained` cases one after another in the same processes."""
+    return {name: fit_pretrained(rank, world_size, folder, **kwargs) for name, kwargs in cases.items()}
+
+
 def fit_recipe_cases(rank: int, world_size: int, cases: dict[str, dict]) -> dict[str, dict[str, Any]]:
     """Run several :func:`fit_recipe` cases one after another in the same processes
     (spawning ranks costs seconds each on a small machine)."""
@@ -152,10 +196,14 @@ def falling(losses: list[float], window: int = 3) -> bool:
 
 
 __all__ = [
+    "compose_conf",
     "embedding_bytes",
     "falling",
+    "fit_pretrained",
+    "fit_pretrained_cases",
     "fit_recipe",
     "fit_recipe_cases",
+    "full_documents",
     "reference_cases",
     "reference_key",
     "strategy_from_conf",

@@ -12,6 +12,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 
 from lightning_parallel.cli.train import CONFIG_DIR, layout_of, world_size_of
+from lightning_parallel.testing import run_processes
+from tests.integration.recipe_runs import fit_pretrained_cases, full_documents
 
 pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
 
@@ -63,3 +65,45 @@ def test_lp_train_hf_tensor_on_two_processes_learns(tmp_path):
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     print(f"hf_tensor val_loss after 4 steps: {metrics['metrics']['val_loss']:.4f} (uniform: ln 128 = 4.852)")
     assert metrics["metrics"]["val_loss"] < 4.7  # random init predicts about uniformly: ln(128) = 4.85
+
+
+PRETRAINED_VOCAB = 160  # not the recipe's 128: the folder's vocabulary must win without any override
+PRETRAINED_CASES = {  # on 2 processes: the suite's layouts (meta build, each rank reads its slices) and Lightning's DDP
+    "pp2": dict(strategy="pipeline"), "tp2": dict(strategy="tensor"), "ddp": dict(strategy="ddp", data_parallel=2),
+    "zero3": dict(strategy="deepspeed_zero3", data_parallel=2),
+}
+
+
+def _first_loss(model, samples: int = 8) -> float:
+    import torch
+
+    documents = full_documents()
+    batch = torch.utils.data.default_collate([documents[i] for i in range(samples)])
+    with torch.no_grad():
+        return float(model(**batch).loss)
+
+
+@pytest.mark.slow
+def test_pretrained_folder_is_the_start_of_every_layout(tmp_path):
+    """``model.pretrained=DIR`` alone: every layout's first loss is ``from_pretrained(DIR)``'s on that batch."""
+    import torch
+    import transformers
+
+    from examples.nlp.hf_causal_lm import HFCausalLM, build_config
+
+    folder = tmp_path / "pretrained"
+    torch.manual_seed(123)  # weights no run of the recipe would draw
+    transformers.AutoModelForCausalLM.from_config(build_config("qwen2", vocab_size=PRETRAINED_VOCAB)).save_pretrained(
+        folder)
+    expected = _first_loss(transformers.AutoModelForCausalLM.from_pretrained(folder).float())
+    torch.manual_seed(0)
+    random_start = _first_loss(HFCausalLM(config=str(folder), vocab_size=None).build().model)
+    assert abs(random_start - expected) > 1e-3  # the check below can tell the folder's weights from a random start
+    results = run_processes(fit_pretrained_cases, 2, str(folder), PRETRAINED_CASES, timeout=900)
+    for rank, per_case in enumerate(results):
+        for name, result in per_case.items():
+            assert "error" not in result, f"{name} rank {rank}: {result['error']}"
+            assert result["vocab_size"] == PRETRAINED_VOCAB, (name, result)
+            first = result["losses"][0]
+            print(f"{name} rank {rank}: first loss {first:.6f}, from_pretrained {expected:.6f}")
+            assert abs(first - expected) < 1e-5, (name, rank, first, expected)

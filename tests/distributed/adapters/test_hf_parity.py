@@ -59,9 +59,10 @@ class SplitChecked(HFCausalLM):
     layout really split it: a rank holding the whole model under tp/pp/ZeRO-3 would match one
     process trivially."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.whole_model_elements = stored_elements(self)
+    def configure_model(self) -> None:
+        super().configure_model()  # the recipe builds the model here (on meta under the suite's strategies)
+        if not hasattr(self, "whole_model_elements"):
+            self.whole_model_elements = sum(getattr(p, "ds_numel", p.numel()) for p in self.parameters())
 
     def on_train_start(self) -> None:
         strategy, model = self.trainer.strategy, self.model
@@ -93,7 +94,7 @@ def cases() -> dict[str, Case]:
 
 
 def _assert_no_glue() -> None:
-    module = user_module("qwen2")
+    module = user_module("qwen2").build()
     assert not [name for name in PROTOCOL_METHODS if hasattr(module, name)]
     assert not [name for name in PROTOCOL_METHODS if hasattr(HFCausalLM, name)]
     assert module.model.config.tie_word_embeddings

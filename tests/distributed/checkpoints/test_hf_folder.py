@@ -50,7 +50,7 @@ def _reference(rank, world_size, root):
     out = {}
     for family in FAMILIES:
         folder = Path(root) / f"{family}-pretrained"
-        _module(family, seed=0).model.save_pretrained(folder)
+        _module(family, seed=0).build().model.save_pretrained(folder)
         module = _module(family, seed=5, folder=folder)
         losses, _ = _fit(1, "auto", module)
         with torch.no_grad():
