@@ -234,9 +234,11 @@ def render(rows: list[dict]) -> str:
                          f"{r['error'].strip().splitlines()[-1][:150]} | | | | | | |")
             continue
         held = " / ".join(f"{h:.0f}" for h in r["held_mib"])
-        lines.append(f"| {r['layout']} | {r['init']} | {r['build']} | {r['full_mib']:.0f} | {r['share_mib']:.0f} | "
-                     f"{r['setup_added_mib']:.0f} | {r['setup_ratio']:.2f}x | {held} | "
-                     f"{r['step_added_mib']:.0f} | {r['step_ratio']:.2f}x |")
+        ratio = (lambda x: f"{x:.2f}x") if r["share_mib"] >= 1 else (lambda x: "-")  # the calibration's tiny share
+        size = (lambda x: f"{x:.0f}") if r["share_mib"] >= 1 else (lambda x: f"{x:.2f}")
+        lines.append(f"| {r['layout']} | {r['init']} | {r['build']} | {size(r['full_mib'])} | {size(r['share_mib'])} | "
+                     f"{r['setup_added_mib']:.0f} | {ratio(r['setup_ratio'])} | {held} | "
+                     f"{r['step_added_mib']:.0f} | {ratio(r['step_ratio'])} |")
     return "\n".join(lines)
 
 

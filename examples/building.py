@@ -14,7 +14,6 @@ Note:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -64,17 +63,6 @@ class NormalEmbedding(nn.Embedding):
         nn.init.normal_(self.weight, mean=0.0, std=self.std)
 
 
-def _gathered(init: Callable[[str, nn.Module], None]) -> Callable[[str, nn.Module], None]:
-    """``init`` run on a module whose parameters DeepSpeed ZeRO-3 partitioned, gathered while it runs."""
-    import deepspeed
-
-    def run(name: str, module: nn.Module) -> None:
-        with deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=0):
-            init(name, module)
-
-    return run
-
-
 def zero3_partitioned(module: nn.Module) -> bool:
     """Whether DeepSpeed ZeRO-3 partitioned ``module``'s parameters as they were created (``deepspeed.zero.Init``)."""
     return any(hasattr(p, "ds_id") for p in module.parameters())
@@ -85,7 +73,8 @@ def seed_built_model(module: nn.Module) -> bool:
 
     Every module owning tensors is initialised alone (``reset_parameters()``; a Hugging Face model's own
     ``_init_weights`` inside it), seeded by ``(torch.initial_seed(), its name)``:
-    :func:`lightning_parallel.protocol.seeded_init` with the initialiser of the model's adapter.
+    :func:`lightning_parallel.protocol.seeded_init` with the initialiser of the model's adapter (which gathers
+    parameters DeepSpeed ZeRO-3 partitioned, one module at a time).
 
     Args:
         module: the LightningModule, right after its layers were created.
@@ -99,8 +88,7 @@ def seed_built_model(module: nn.Module) -> bool:
     from lightning_parallel.adapters import adapt
     from lightning_parallel.protocol import seeded_init
 
-    init = adapt(module).init_module
-    seeded_init(module, torch.initial_seed(), _gathered(init) if zero3_partitioned(module) else init)
+    seeded_init(module, torch.initial_seed(), adapt(module).init_module)
     return True
 
 

@@ -234,7 +234,11 @@ class HFCausalLM(BuildsInConfigureModel, pl.LightningModule):
         self.model_config = model_config(config, dict(config_overrides or {}), vocab_size, pretrained)
         # Import the model's class now: defined inside deepspeed.zero.Init (configure_model under ZeRO-3), a class
         # would lose the __init__ wrappers transformers' kernels put on it when the context restores its classes.
-        _transformers().MODEL_FOR_CAUSAL_LM_MAPPING[type(self.model_config)]
+        causal_lms = _transformers().MODEL_FOR_CAUSAL_LM_MAPPING
+        if type(self.model_config) not in causal_lms:
+            raise ValueError(f"{type(self.model_config).__name__} has no causal LM in transformers: pick a "
+                             "decoder-only family (llama, qwen2, mistral, ...).")
+        causal_lms[type(self.model_config)]
         self.pretrained_loaded = False
 
     def configure_model(self) -> None:

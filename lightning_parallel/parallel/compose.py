@@ -54,7 +54,12 @@ from lightning_parallel.parallel.pipeline.stages import (
     RemovedLayer,
 )
 from lightning_parallel.parallel.precision import fsdp_policy
-from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, resolve_plan, validate_tensor_parallel
+from lightning_parallel.parallel.tensor.gradients import resettle_gradients
+from lightning_parallel.parallel.tensor.plan import (
+    apply_tensor_parallel,
+    resolve_plan,
+    validate_tensor_parallel,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -289,7 +294,7 @@ def parallelize(
     checkpoint_activations(module, options.activation_checkpointing, split, adapter=adapter)
     _wrap_data_axis(module, layout, options, (mesh, data_mesh), split, stages, precision, adapter)
     if init_plan is not None:  # (7) only now is anything allocated: this rank's share
-        materialize(module, materialization.device, init_plan, adapter.init_module)
+        _materialize_share(module, materialization, init_plan, adapter, plan)
     pipeline_tied.mark_copies(module, tied)  # after FSDP2/TP/to_empty replaced the parameter objects
     loss_fn, count = (pipe.loss_fn, pipe.count_items) if pipe is not None else (None, None)
     return Parallelized(layout, options, plan, split, tuple(stages), tuple(stage_ids), last, loss_fn, count,
@@ -306,6 +311,13 @@ def _cut(module: nn.Module, layout: ParallelLayout, options: ParallelOptions, ra
     last, tied = last_stage_rank(layout, options, rank), tie_copies(module, split, stages, layout, options, rank)
     on_split(split) if on_split is not None else None
     return split, stages, stage_ids, last, tied
+
+
+def _materialize_share(module: nn.Module, materialization: Materialization, init_plan: InitPlan,
+                       adapter: ModelAdapter, plan: dict) -> None:
+    """Step 7: allocate and initialise this rank's share; TP's gradient hooks went with the old parameter objects."""
+    materialize(module, materialization.device, init_plan, adapter.init_module)
+    resettle_gradients(module, plan)
 
 
 def _plan_materialization(module: nn.Module, adapter: ModelAdapter,

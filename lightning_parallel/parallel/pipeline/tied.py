@@ -110,8 +110,16 @@ def broadcast_tied(module: nn.Module, tied: Sequence[TiedCopies], group: Optiona
 
 def snapshot_gradients(module: nn.Module, tied: Sequence[TiedCopies]) -> list[Optional[Tensor]]:
     """The tied gradients before a step (an accumulation window may already hold some)."""
-    grads = [module.get_parameter(e.name).grad for e in tied]
-    return [None if g is None else _local(g).clone() for g in grads]
+    params = [module.get_parameter(e.name) for e in tied]
+    return [None if p.grad is None else _local(_as_parameter(p.grad, p)).clone() for p in params]
+
+
+def _as_parameter(grad: Tensor, param: Tensor) -> Tensor:
+    """``grad`` in ``param``'s placement (a DTensor gradient may come back in another one)."""
+    placements = getattr(param, "placements", None)
+    if placements is None or getattr(grad, "placements", placements) == placements:
+        return grad
+    return grad.redistribute(placements=placements)
 
 
 def sum_tied_gradients(
@@ -133,6 +141,9 @@ def sum_tied_gradients(
         param = module.get_parameter(entry.name)
         if param.grad is None:
             param.grad = torch.zeros_like(param)
+        # A gradient left in another placement (a vocabulary-sharded embedding's can come back replicated) is
+        # exchanged as the parameter is laid out: every holder then sends and receives the same slice.
+        param.grad = _as_parameter(param.grad, param)
         grad = _local(param.grad)
         # Exchanged and summed in fp32 whatever the gradient's dtype (bf16 under bf16-true).
         delta = (upcast_for_reduction(grad) - upcast_for_reduction(old) if old is not None

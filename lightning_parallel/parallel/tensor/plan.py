@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from lightning_parallel.parallel.adapter import ModelAdapter
 from lightning_parallel.parallel.tensor.aliases import RefusedStyle, suite_style
+from lightning_parallel.parallel.tensor.gradients import settle_gradients
 from lightning_parallel.parallel.tensor.styles import STYLE_NAMES, to_style
 from lightning_parallel.parallel.tensor.ties import check_ties, restore_ties, tie_groups
 
@@ -330,7 +331,7 @@ def apply_tensor_parallel(
     for name, style in present.items():
         submodule = module.get_submodule(name)
         parallelize_module(submodule, tp_mesh, style)
-        _settle_gradients(submodule)
+        settle_gradients(submodule)
     restore_ties(module, ties)
     untied = adapter.untied_embeddings()
     if untied is not None:
@@ -339,29 +340,6 @@ def apply_tensor_parallel(
             "(model.tie_weights() after materialising a meta-device model), or set tie_word_embeddings=False."
         )
     return module
-
-
-def _settle_gradients(module: nn.Module) -> None:
-    """Give each DTensor parameter's gradient the parameter's placement, once, in backward.
-
-    Note:
-        torch leaves some gradients in another placement than their parameter: a
-        ``SequenceParallel`` norm's replicated weight gets a ``Partial`` (unreduced)
-        gradient, a vocabulary-sharded embedding a replicated one. Every later use (each
-        optimizer op, the clipping norm) would then redistribute it again -- 30
-        all-reduces in one AdamW step of a 2-block GPT -- and a ``Partial`` gradient read
-        through ``to_local()`` is wrong. One redistribution in the gradient hook fixes both.
-    """
-    from torch.distributed.tensor import DTensor
-
-    for param in module.parameters(recurse=False):
-        if isinstance(param, DTensor) and param.requires_grad:
-            placements = param.placements
-            param.register_hook(
-                lambda grad, placements=placements: grad.redistribute(placements=placements)
-                if isinstance(grad, DTensor) and grad.placements != placements
-                else grad
-            )
 
 
 def loss_parallel_context(enabled: bool) -> ContextManager[None]:

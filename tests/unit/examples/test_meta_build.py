@@ -111,3 +111,5 @@ def test_a_pretrained_folder_that_cannot_serve_says_what_to_change(pretrained, t
         HFCausalLM(pretrained=str(folder), vocab_size=256)
     with pytest.raises(ValueError, match="holds no config.json"):
         HFCausalLM(pretrained=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="no causal LM in transformers: pick a decoder-only family"):
+        HFCausalLM("vit")  # refused in __init__, before configure_model could run inside deepspeed.zero.Init
