@@ -100,8 +100,12 @@ def plan_initialisation(module: nn.Module, seed: int, init: InitFn = reset_param
 
 
 def _full_values(plan: InitPlan, owner: str, init: InitFn) -> dict[str, Tensor]:
-    """The owner's direct tensors at full size on the CPU, drawn from its own seeded stream."""
-    template = plan.templates[owner].to_empty(device="cpu", recurse=False)
+    """The owner's direct tensors at full size on the CPU, drawn from its own seeded stream.
+
+    The template leaves the plan here: kept there after ``to_empty``, every owner's full-size tensors would
+    pile up until the whole model (not one module) was held at once.
+    """
+    template = plan.templates.pop(owner).to_empty(device="cpu", recurse=False)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(layer_seed(plan.seed, owner))
         init(owner, template)
