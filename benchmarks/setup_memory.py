@@ -274,6 +274,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a ~190 MiB decoder instead of the ~1 GiB one")
     parser.add_argument("--calibrate", action="store_true", help="also the tiny decoder: the size-free overhead")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results") / str(date.today()))
+    parser.add_argument("--name", default="setup_memory", help="file stem of the results (.json, .md)")
+    parser.add_argument("--note", default="", help="a line saying what this run measured (kept in both files)")
     args = parser.parse_args()
     config = SMALL if args.small else MODEL
     start = time.perf_counter()
@@ -281,17 +283,28 @@ def main() -> None:
         rows = measure(args.layouts, args.inits, args.builds, config, Path(tmp))
     calibration = measure(args.layouts, ["random"], ["configure_model"], TINY, Path(".")) if args.calibrate else []
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"model": config, "tiny": TINY, "seq": SEQ, "world": WORLD, "torch": torch.__version__,
-            "runtime_s": time.perf_counter() - start, "how": HOW}
-    (args.out / "setup_memory.json").write_text(
+    meta = {"model": config, "tiny": TINY, "seq": SEQ, "batch": BATCH, "world": WORLD, "torch": torch.__version__,
+            "runtime_s": time.perf_counter() - start, "how": HOW, "note": args.note, "commit": _commit()}
+    (args.out / f"{args.name}.json").write_text(
         json.dumps({"meta": meta, "rows": rows, "calibration": calibration}, indent=2))
-    text = f"# Setup memory per rank\n\n{HOW}\n\n{render(rows)}\n"
+    text = f"# Setup memory per rank\n\n{args.note}\n\n{HOW}\n\n{render(rows)}\n".replace("\n\n\n", "\n\n")
     if calibration:
         text += f"\nCalibration (tiny decoder, {full_mib(TINY):.2f} MiB): what a rank adds whatever the model size.\n\n"
         text += render(calibration) + "\n"
-    (args.out / "setup_memory.md").write_text(text)
+    (args.out / f"{args.name}.md").write_text(text)
     print(text)
-    print(f"[setup_memory] wrote {args.out}/setup_memory.json and .md in {meta['runtime_s']:.0f} s")
+    print(f"[setup_memory] wrote {args.out}/{args.name}.json and .md in {meta['runtime_s']:.0f} s")
+
+
+def _commit() -> str:
+    """The checkout's commit, ``+`` when the working tree differs from it."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD")
+    return commit + ("+" if commit and git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 if __name__ == "__main__":

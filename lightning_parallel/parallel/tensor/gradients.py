@@ -22,7 +22,9 @@ def settle_gradients(module: nn.Module) -> None:
     from torch.distributed.tensor import DTensor
 
     for param in module.parameters(recurse=False):
-        if isinstance(param, DTensor) and param.requires_grad:
+        # Not on meta: ``to_empty`` keeps the parameter object but not the gradient node its hooks sit on, and a
+        # later hook joins the stale ones (none fire); ``resettle_gradients`` registers them once materialised.
+        if isinstance(param, DTensor) and param.requires_grad and not param.is_meta:
             placements = param.placements
             param.register_hook(
                 lambda grad, placements=placements: grad.redistribute(placements=placements)

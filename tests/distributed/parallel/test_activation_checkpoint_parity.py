@@ -30,7 +30,7 @@ def _gpt(dropout: float):
     from examples.nlp.model import GPT
 
     torch.manual_seed(0)
-    return GPT(vocab_size=256, seq_len=16, d_model=32, n_layer=2, n_head=4, mlp_ratio=4, dropout=dropout)
+    return GPT(vocab_size=256, seq_len=16, d_model=32, n_layer=2, n_head=4, mlp_ratio=4, dropout=dropout).build()
 
 
 def _reference() -> list[float]:
