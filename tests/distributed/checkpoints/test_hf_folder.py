@@ -141,8 +141,13 @@ def _check_export(root, family, logits):
     model = transformers.AutoModelForCausalLM.from_pretrained(exported)
     with torch.no_grad():
         diff = (model(input_ids=PROBE).logits - logits).abs().max().item()
-    print(f"{family}: exported logits vs one-process trained model {diff:.2e} (recorded model: {not extra})")
-    assert diff < TOLERANCE
+    scale = max(1.0, logits.abs().max().item())  # fp32 rounding in the logits grows with their magnitude
+    print(f"{family}: exported logits vs one-process trained model {diff:.2e} (largest logit {scale:.1f}; "
+          f"recorded model: {not extra})")
+    # Single logits after 4 AdamW steps at lr 1e-2 carry the layouts' fp32 rounding amplified (qwen2: 1.2e-4 of a
+    # largest logit 1.4, with every step's loss within 1e-6): the training parity is the losses' check above, and
+    # the export is the checkpoint bit for bit (below); this bound only catches a wrong or partial export.
+    assert diff < 2e-4 * scale
     trained = {k[len("model."):]: v for k, v in consolidate(saved).items()}
     for name, value in model.state_dict().items():  # the export is the checkpoint, bit for bit
         torch.testing.assert_close(value, trained[name], rtol=0, atol=0, msg=name)
