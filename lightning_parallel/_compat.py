@@ -54,14 +54,18 @@ def set_module_device_mesh(module: pl.LightningModule, mesh: DeviceMesh) -> None
     module._device_mesh = mesh
 
 
-def init_model_parallel_process_group(strategy: Any) -> None:
+def init_model_parallel_process_group(strategy: Any, default_backend: Optional[str] = None) -> None:
     """Join the default process group as ModelParallelStrategy does (cluster env, ranks, backend, timeout).
 
     Why private: ``ModelParallelStrategy._setup_distributed`` is the only Lightning entry that
     does all of it; re-implementing it would copy ``_init_dist_connection`` (private as well).
+    ``default_backend`` replaces Lightning's default by device when the user chose no backend
+    (Lightning keeps the choice in ``_process_group_backend``).
     """
     from lightning.pytorch.strategies import ModelParallelStrategy
 
+    if default_backend is not None and strategy._process_group_backend is None:
+        strategy._process_group_backend = default_backend
     ModelParallelStrategy._setup_distributed(strategy)
 
 

@@ -186,17 +186,13 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if not is_overridden("configure_model", self.lightning_module):  # else checked on meta in setup
             check_module(self.lightning_module, self.layout, self.options, adapter=self.adapter)
         check_precision(self.precision_plugin.precision, self.options, self.layout)
-        _compat.init_model_parallel_process_group(self)
+        # Offloaded gradients live on the CPU: the clipping norm and checkpoint gathers need a CPU backend beside
+        # NCCL (torchtitan's "cuda:nccl,cpu:gloo" under FSDP2 CPU offload).
+        cpu_too = self.options.offload != "none" and self.root_device.type == "cuda"
+        _compat.init_model_parallel_process_group(self, "cuda:nccl,cpu:gloo" if cpu_too else None)
         self._mesh = self.layout.build_mesh(self.root_device.type)
         self._data_mesh = build_data_mesh(self.layout, self._mesh, self.options.zero_stage)
         _compat.set_module_device_mesh(self.lightning_module, self._mesh)
-
-    def _get_process_group_backend(self) -> str:
-        # Offloaded gradients live on the CPU: clipping and checkpoint gathers then need a CPU backend too
-        # (torchtitan's "cuda:nccl,cpu:gloo" under FSDP2 CPU offload).
-        if self._process_group_backend is None and self.options.offload != "none" and self.root_device.type == "cuda":
-            return "cuda:nccl,cpu:gloo"
-        return super()._get_process_group_backend()
 
     @property
     def adapter(self) -> ModelAdapter:
