@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -114,6 +115,17 @@ def _full_values(plan: InitPlan, owner: str, init: InitFn) -> dict[str, Tensor]:
     return values
 
 
+def local_region(target: Tensor) -> Optional[tuple[slice, ...]]:
+    """The slice of the global tensor this rank's DTensor shard holds; None when it is not one slice."""
+    chunks = target.__create_chunk_list__()
+    local = target.to_local()
+    if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(local.shape):
+        return None
+    if any("Strided" in type(p).__name__ or not (p.is_shard() or p.is_replicate()) for p in target.placements):
+        return None
+    return tuple(slice(o, o + s) for o, s in zip(chunks[0].offsets, chunks[0].sizes))
+
+
 def _fill(target: Tensor, full: Tensor) -> None:
     """Copy this rank's part of ``full`` into ``target`` (a DTensor's local shard, or a whole tensor)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -124,6 +136,10 @@ def _fill(target: Tensor, full: Tensor) -> None:
         )
     with torch.no_grad():
         if isinstance(target, DTensor):
+            region = local_region(target)
+            if region is not None:  # one slice: copied from a view, with no intermediate copy of the shard
+                target.to_local().copy_(full[region])
+                return
             # src_data_rank=None: every rank holds the full value already, so slicing needs no communication.
             local = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
             target.to_local().copy_(local.to_local())
@@ -156,6 +172,9 @@ def materialize(module: nn.Module, device: torch.device, plan: InitPlan, init: I
     cache: dict[str, dict[str, Tensor]] = {}
     held = 0
     named = [*module.named_parameters(), *module.named_buffers()]
+    size = {owner: sum(t.numel() * t.element_size() for _, t in owned_tensors(template))
+            for owner, template in plan.templates.items()}
+    named.sort(key=lambda item: -size[plan.sources[item[0]][0]])  # largest first: little else is resident yet
     remaining = _uses_per_owner(plan, [name for name, _ in named])
     for name, tensor in named:
         owner, attr = plan.sources[name]

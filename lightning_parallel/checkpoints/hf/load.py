@@ -28,11 +28,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_parallel.parallel.materialize import local_region
 from lightning_parallel.parallel.pipeline.stages import RemovedLayer
 
 SINGLE_FILE = "model.safetensors"
@@ -89,17 +90,6 @@ def _removed_prefixes(module: nn.Module, prefix: str) -> list[str]:
     return [name[len(prefix):] + "." for name in names if name.startswith(prefix)]
 
 
-def _local_region(target: torch.Tensor) -> Optional[tuple[slice, ...]]:
-    """The slice of the global tensor this rank's DTensor shard holds; None when it is not one slice."""
-    chunks = target.__create_chunk_list__()
-    local = target.to_local()
-    if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(local.shape):
-        return None
-    if any("Strided" in type(p).__name__ or not (p.is_shard() or p.is_replicate()) for p in target.placements):
-        return None
-    return tuple(slice(o, o + s) for o, s in zip(chunks[0].offsets, chunks[0].sizes))
-
-
 def _fill(target: torch.Tensor, handle: Any, key: str) -> int:
     """Copy this rank's part of ``key`` into ``target``; returns the bytes read."""
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -113,7 +103,7 @@ def _fill(target: torch.Tensor, handle: Any, key: str) -> int:
             data = handle.get_tensor(key)
             target.copy_(data)
             return data.nbytes
-        region = _local_region(target)
+        region = local_region(target)
         if region is None:  # e.g. FSDP2 over a tensor-parallel dim: read whole, keep the local part
             data = distribute_tensor(handle.get_tensor(key), target.device_mesh, target.placements,
                                      src_data_rank=None).to_local()
@@ -168,7 +158,8 @@ def load_hf_weights(module: nn.Module, folder: Path, prefix: str = "model.") -> 
 
     read = 0
     for path, pairs in _by_file(wanted, files):
-        with safe_open(str(path), framework="pt") as handle:
-            for target_key, stored_key in pairs:
+        for target_key, stored_key in pairs:
+            # One mapping per tensor: the file's pages a rank touched leave its resident set as soon as it is filled.
+            with safe_open(str(path), framework="pt") as handle:
                 read += _fill(targets[target_key], handle, stored_key)
     return {"tensors": len(wanted), "bytes_read": read}
