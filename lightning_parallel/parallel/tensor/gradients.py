@@ -49,12 +49,13 @@ def resettle_gradients(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> 
 
     wrapped = [name for name, sub in module.named_modules() if isinstance(sub, FSDPModule)]
     for name in plan:
-        if not _holds(module, name) or any(w == "" or name == w or name.startswith(w + ".") for w in wrapped):
+        if not holds(module, name) or any(w == "" or name == w or name.startswith(w + ".") for w in wrapped):
             continue
         settle_gradients(module.get_submodule(name))
 
 
-def _holds(module: nn.Module, name: str) -> bool:
+def holds(module: nn.Module, name: str) -> bool:
+    """Whether ``module`` (a model or a pipeline stage of it) holds the submodule ``name``."""
     try:
         module.get_submodule(name)
     except AttributeError:

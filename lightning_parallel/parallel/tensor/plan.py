@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from lightning_parallel.parallel.adapter import ModelAdapter
 from lightning_parallel.parallel.tensor.aliases import RefusedStyle, suite_style
-from lightning_parallel.parallel.tensor.gradients import settle_gradients
+from lightning_parallel.parallel.tensor.gradients import holds, settle_gradients
 from lightning_parallel.parallel.tensor.styles import STYLE_NAMES, to_style
 from lightning_parallel.parallel.tensor.ties import check_ties, restore_ties, tie_groups
 
@@ -240,15 +240,7 @@ def validate_tensor_parallel(
     bad = [(desc, size) for desc, size in dims if size % tensor_parallel_size]
     if bad:
         raise _indivisible(dims, bad, tensor_parallel_size)
-    check_ties(module, {name: style for name, style in plan.items() if _holds(module, name)})
-
-
-def _holds(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
+    check_ties(module, {name: style for name, style in plan.items() if holds(module, name)})
 
 
 def _shards_parameters(style: ParallelStyle) -> bool:
@@ -320,7 +312,7 @@ def apply_tensor_parallel(
         )
     if tp_mesh.size() == 1:
         return module
-    present = {name: style for name, style in plan.items() if _holds(module, name)}
+    present = {name: style for name, style in plan.items() if holds(module, name)}
     adapter = adapter or ModelAdapter.resolve(module)
     validate_tensor_parallel(module, present, tp_mesh.size(), require_sharding=False, adapter=adapter)
     ties = tie_groups(module)
