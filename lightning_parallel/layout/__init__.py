@@ -27,20 +27,39 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, NamedTuple, Optional
+
+from lightning_parallel.layout.world import (
+    CONTEXT_PARALLEL,
+    DATA_PARALLEL,
+    MESH_AXES,
+    PIPELINE_PARALLEL,
+    TENSOR_PARALLEL,
+    Size,
+    World,
+    axes_after_context,
+    check_size,
+    context_mismatch,
+    factorizations,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-DATA_PARALLEL = "data_parallel"
-PIPELINE_PARALLEL = "pipeline_parallel"
-TENSOR_PARALLEL = "tensor_parallel"
-MESH_AXES: tuple[str, str, str] = (DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL)
+__all__ = ["CONTEXT_PARALLEL", "DATA_AXES", "DATA_CONTEXT", "DATA_PARALLEL", "DATA_REPLICATE", "DATA_SHARD",
+           "DEFAULT_NAMES", "MESH_AXES", "PIPELINE_PARALLEL", "TENSOR_PARALLEL", "ParallelLayout", "RankCoordinates",
+           "Size", "check_size", "factorizations", "rank_map_rows", "run_mesh"]
+
 DATA_REPLICATE = "data_replicate"
 DATA_SHARD = "data_shard"
 DATA_AXES: tuple[str, str] = (DATA_REPLICATE, DATA_SHARD)
+# Context parallelism splits each sequence over the ranks of a data replica. Its axis sits between data and
+# pipeline (torchtitan's ``dp, cp, pp?, tp`` order, Megatron's ``tp-cp-..-dp``): a context group talks on every
+# attention layer, less than a tensor group and more than a data group. The root mesh then has a flat
+# ``data_context`` axis (FSDP2 shards and reduces gradients over it: context ranks hold the same parameters);
+# the run's mesh is its 4-D view ``(data_parallel, context_parallel, pipeline_parallel, tensor_parallel)``.
+DATA_CONTEXT = "data_context"
 
-Size = Union[int, Literal["auto"]]
 
 # How messages spell each setting by default (the Python API's words); the entry point passes
 # the Hydra paths the user typed (``strategy.pipeline_parallel_size``, ``trainer.devices``).
@@ -48,93 +67,18 @@ DEFAULT_NAMES: dict[str, str] = {
     DATA_PARALLEL: DATA_PARALLEL,
     PIPELINE_PARALLEL: PIPELINE_PARALLEL,
     TENSOR_PARALLEL: TENSOR_PARALLEL,
+    CONTEXT_PARALLEL: CONTEXT_PARALLEL,
     "devices": "devices",
     "num_nodes": "num_nodes",
 }
 
 
 class RankCoordinates(NamedTuple):
-    """Position of one rank on the three mesh axes."""
+    """Position of one rank on the three mesh axes (its context position: :meth:`ParallelLayout.context_rank`)."""
 
     data: int
     pipeline: int
     tensor: int
-
-
-def _factorizations(world_size: int) -> list[tuple[int, int, int]]:
-    """All (data, pipeline, tensor) triples whose product is ``world_size``."""
-    out = []
-    for d in range(1, world_size + 1):
-        if world_size % d:
-            continue
-        rest = world_size // d
-        for p in range(1, rest + 1):
-            if rest % p == 0:
-                out.append((d, p, rest // p))
-    return out
-
-
-class _World(NamedTuple):
-    """The world a layout is checked against, and the words the messages use for each setting."""
-
-    size: int
-    num_nodes: int
-    names: Mapping[str, str]
-
-    def describe(self) -> str:
-        devices, nodes = self.names["devices"], self.names["num_nodes"]
-        per_node = self.size // self.num_nodes if self.num_nodes and self.size % self.num_nodes == 0 else "?"
-        return f"{devices}={per_node} x {nodes}={self.num_nodes} = {self.size} processes"
-
-    def devices_for(self, processes: int) -> str:
-        """The device setting that gives the smallest world that is a multiple of ``processes``."""
-        nodes = max(1, self.num_nodes)
-        smallest = processes * nodes // math.gcd(processes, nodes)
-        text = f"{self.names['devices']}={smallest // nodes}"
-        return text if nodes == 1 else f"{text} x {self.names['num_nodes']}={nodes}"
-
-    def setting(self, sizes: Mapping[str, Size], axes: list[str]) -> str:
-        return " x ".join(f"{self.names[a]}={sizes[a]!r}" if sizes[a] == "auto" else f"{self.names[a]}={sizes[a]}"
-                          for a in axes)
-
-    def valid(self, axes: list[str]) -> str:
-        """The sizes of ``axes`` that fit this world (the other axes filling the rest)."""
-        index = [MESH_AXES.index(a) for a in axes]
-        combos = sorted({tuple(f[i] for i in index) for f in _factorizations(self.size)})
-        shown = ", ".join("x".join(map(str, c)) for c in combos[:8]) + (", ..." if len(combos) > 8 else "")
-        return f"{' x '.join(self.names[a] for a in axes)} = {shown}"
-
-    def mismatch(self, sizes: Mapping[str, Size]) -> str:
-        """Sizes that do not multiply (no 'auto') or divide (one 'auto') to the world size."""
-        explicit = [a for a in MESH_AXES if sizes[a] != "auto"]
-        auto = [a for a in MESH_AXES if sizes[a] == "auto"]
-        product = math.prod(sizes[a] for a in explicit)
-        if auto:
-            return (f"{self.setting(sizes, explicit)} = {product} does not divide the world size "
-                    f"{self.describe()}, so {self.names[auto[0]]}='auto' cannot be filled. Fix: sizes whose "
-                    f"product divides {self.size} ({self.valid(explicit)}), or a world that is a multiple of "
-                    f"{product} processes ({self.devices_for(product)}).")
-        fits = self.devices_for(product)
-        world = f"run {product} processes ({fits})" if product % max(1, self.num_nodes) == 0 else "run more processes"
-        return (f"{self.setting(sizes, explicit)} = {product}, but the world size is {self.describe()}. Fix: sizes "
-                f"whose product is {self.size} ({self.valid(explicit)}), set one of them to 'auto', or {world}.")
-
-    def too_many_autos(self, sizes: Mapping[str, Size], auto: list[str]) -> str:
-        divisors = ", ".join(str(d) for d in range(1, self.size + 1) if self.size % d == 0)
-        return (f"Only one size can be 'auto', got {' and '.join(self.setting(sizes, [a]) for a in auto)} "
-                f"on {self.describe()}. Fix: give "
-                f"{' and '.join(self.names[a] for a in auto[1:])} an explicit size (a divisor of {self.size}: "
-                f"{divisors}) and leave {self.names[auto[0]]}='auto'.")
-
-
-def check_size(name: str, value: object) -> None:
-    """Raise a ``ValueError`` unless ``value`` is a positive int or ``"auto"``."""
-    if value == "auto":
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}={value!r} is not a size: pass a positive integer or 'auto'.")
-    if value < 1:
-        raise ValueError(f"{name}={value} must be >= 1: pass a positive integer (1 disables this axis) or 'auto'.")
 
 
 @dataclass(frozen=True)
@@ -153,6 +97,8 @@ class ParallelLayout:
         data_replicate: groups the data axis splits into for HSDP (ZeRO 2/3 shard within a
             group of ``data_shard = data_parallel / data_replicate`` ranks and all-reduce across
             groups); 1 (default): one group, ZeRO 2/3 shard over the whole data axis.
+        context_parallel: ranks that split each sequence of a data replica (context parallelism; never
+            ``"auto"``); 1: off. They hold the same parameters, so gradients reduce over data x context.
     """
 
     world_size: int
@@ -160,9 +106,10 @@ class ParallelLayout:
     pipeline_parallel: int
     tensor_parallel: int
     data_replicate: int = 1
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "data_parallel", "pipeline_parallel", "tensor_parallel"):
+        for name in ("world_size", "data_parallel", "pipeline_parallel", "tensor_parallel", "context_parallel"):
             value = getattr(self, name)
             if value == "auto":
                 raise ValueError(
@@ -171,8 +118,11 @@ class ParallelLayout:
             check_size(name, value)
         sizes = {DATA_PARALLEL: self.data_parallel, PIPELINE_PARALLEL: self.pipeline_parallel,
                  TENSOR_PARALLEL: self.tensor_parallel}
-        if math.prod(sizes.values()) != self.world_size:
-            raise ValueError(_World(self.world_size, 1, DEFAULT_NAMES).mismatch(sizes))
+        if math.prod(sizes.values()) * self.context_parallel != self.world_size:
+            if self.world_size % self.context_parallel:
+                raise ValueError(context_mismatch(self.world_size, self.context_parallel, World(
+                    self.world_size, 1, DEFAULT_NAMES)))
+            raise ValueError(World(self.world_size // self.context_parallel, 1, DEFAULT_NAMES).mismatch(sizes))
         check_size("data_replicate", self.data_replicate)
         if self.data_parallel % self.data_replicate:
             raise ValueError(
@@ -191,31 +141,30 @@ class ParallelLayout:
         num_nodes: int = 1,
         data_replicate: Optional[int] = None,
         data_shard: Optional[int] = None,
+        context_parallel: int = 1,
     ) -> ParallelLayout:
         """Fill in at most one ``"auto"`` size from the world size and validate.
 
         Args:
             world_size: number of processes.
-            data_parallel: size or ``"auto"``.
-            pipeline_parallel: size or ``"auto"``.
-            tensor_parallel: size or ``"auto"``.
+            data_parallel, pipeline_parallel, tensor_parallel: sizes, one of them may be ``"auto"``.
             names: how the caller spells each setting in messages (keys of :data:`DEFAULT_NAMES`,
                 e.g. ``{"pipeline_parallel": "strategy.pipeline_parallel_size", "devices": "trainer.devices"}``).
             num_nodes: nodes in the world (only for the messages' device counts).
-            data_replicate: the HSDP split of the data axis (either, or both with
-                product ``data_parallel``); None for both: one shard group (``data_replicate=1``).
-            data_shard: the HSDP split of the data axis (either, or both with
-                product ``data_parallel``); None for both: one shard group (``data_replicate=1``).
+            data_replicate: the HSDP split of the data axis (give either this or ``data_shard``, or both
+                with product ``data_parallel``); None for both: one shard group (``data_replicate=1``).
+            data_shard: the HSDP split's other factor (see ``data_replicate``).
+            context_parallel: ranks splitting each sequence (explicit); the other axes share the rest.
 
         Raises:
-            ValueError: non-positive sizes, more than one ``"auto"``, sizes that do not multiply
-                (or divide) to the world size, or an HSDP split that does not divide the data axis.
-                The message names the settings, the world and the fix.
+            ValueError: non-positive sizes, more than one ``"auto"``, sizes that do not multiply (or divide) to
+                the world size, or an HSDP split that does not divide the data axis; naming the fix.
         """
-        check_size("world_size", world_size)
         if world_size == "auto":
             raise ValueError("world_size cannot be 'auto': pass devices x num_nodes.")
-        world = _World(world_size, num_nodes, {**DEFAULT_NAMES, **(names or {})})
+        check_size("world_size", world_size)
+        full_world = World(world_size, num_nodes, {**DEFAULT_NAMES, **(names or {})})
+        world = _after_context(full_world, context_parallel)  # the other axes share what context leaves
         sizes = {DATA_PARALLEL: data_parallel, PIPELINE_PARALLEL: pipeline_parallel, TENSOR_PARALLEL: tensor_parallel}
         for axis, value in sizes.items():
             check_size(world.names[axis], value)
@@ -223,12 +172,14 @@ class ParallelLayout:
         if len(auto) > 1:
             raise ValueError(world.too_many_autos(sizes, auto))
         fixed = math.prod(v for v in sizes.values() if v != "auto")
-        if (world_size % fixed) if auto else (fixed != world_size):
-            raise ValueError(world.mismatch(sizes))
+        if (world.size % fixed) if auto else (fixed != world.size):
+            raise ValueError(axes_after_context(sizes, context_parallel, world, full_world) if world is not full_world
+                             else world.mismatch(sizes))
         if auto:
-            sizes[auto[0]] = world_size // fixed
+            sizes[auto[0]] = world.size // fixed
         replicas = _replica_groups(sizes[DATA_PARALLEL], data_replicate, data_shard, world.names)
-        return cls(world_size, sizes[DATA_PARALLEL], sizes[PIPELINE_PARALLEL], sizes[TENSOR_PARALLEL], replicas)
+        return cls(full_world.size, sizes[DATA_PARALLEL], sizes[PIPELINE_PARALLEL],
+                   sizes[TENSOR_PARALLEL], replicas, context_parallel)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -250,6 +201,15 @@ class ParallelLayout:
         return 1 < self.data_replicate < self.data_parallel
 
     @property
+    def context_parallel_enabled(self) -> bool:
+        return self.context_parallel > 1
+
+    @property
+    def data_context(self) -> int:
+        """Ranks holding the same parameters on one (pipeline, tensor) position: data x context."""
+        return self.data_parallel * self.context_parallel
+
+    @property
     def pipeline_parallel_enabled(self) -> bool:
         return self.pipeline_parallel > 1
 
@@ -263,52 +223,93 @@ class ParallelLayout:
             raise ValueError(f"rank {rank} is outside the world of size {self.world_size}.")
         tensor = rank % self.tensor_parallel
         pipeline = (rank // self.tensor_parallel) % self.pipeline_parallel
-        data = rank // (self.tensor_parallel * self.pipeline_parallel)
+        data = rank // (self.tensor_parallel * self.pipeline_parallel * self.context_parallel)
         return RankCoordinates(data, pipeline, tensor)
+
+    def context_rank(self, rank: int) -> int:
+        """Global ``rank``'s position in its context group (0 without context parallelism)."""
+        return (rank // (self.tensor_parallel * self.pipeline_parallel)) % self.context_parallel
 
     def data_coordinates(self, rank: int) -> tuple[int, int]:
         """The (replica group, shard) position of global ``rank`` on the split data axis."""
         data = self.coordinates(rank).data
         return divmod(data, self.data_shard)
 
-    def rank_at(self, data: int, pipeline: int, tensor: int) -> int:
-        """The global rank at mesh position (data, pipeline, tensor)."""
-        return (data * self.pipeline_parallel + pipeline) * self.tensor_parallel + tensor
+    def rank_at(self, data: int, pipeline: int, tensor: int, context: int = 0) -> int:
+        """The global rank at mesh position (data, pipeline, tensor, context)."""
+        data_context = data * self.context_parallel + context
+        return (data_context * self.pipeline_parallel + pipeline) * self.tensor_parallel + tensor
 
     def group_ranks(self, axis: str, rank: int) -> list[int]:
         """Global ranks that share ``rank``'s coordinates on every axis but ``axis``."""
-        coords = self.coordinates(rank)
+        (d, p, t), c = self.coordinates(rank), self.context_rank(rank)
         if axis == DATA_PARALLEL:
-            return [self.rank_at(d, coords.pipeline, coords.tensor) for d in range(self.data_parallel)]
+            return [self.rank_at(i, p, t, c) for i in range(self.data_parallel)]
         if axis == PIPELINE_PARALLEL:
-            return [self.rank_at(coords.data, p, coords.tensor) for p in range(self.pipeline_parallel)]
+            return [self.rank_at(d, i, t, c) for i in range(self.pipeline_parallel)]
         if axis == TENSOR_PARALLEL:
-            return [self.rank_at(coords.data, coords.pipeline, t) for t in range(self.tensor_parallel)]
+            return [self.rank_at(d, p, i, c) for i in range(self.tensor_parallel)]
+        if axis == CONTEXT_PARALLEL:
+            return [self.rank_at(d, p, t, i) for i in range(self.context_parallel)]
+        if axis == DATA_CONTEXT:
+            return [self.rank_at(i, p, t, j) for i in range(self.data_parallel) for j in range(self.context_parallel)]
         if axis in DATA_AXES:
             replica, shard = self.data_coordinates(rank)
             data = ([r * self.data_shard + shard for r in range(self.data_replicate)] if axis == DATA_REPLICATE
                     else [replica * self.data_shard + s for s in range(self.data_shard)])
-            return [self.rank_at(d, coords.pipeline, coords.tensor) for d in data]
-        raise ValueError(f"Unknown mesh axis {axis!r}: use one of {MESH_AXES + DATA_AXES}.")
+            return [self.rank_at(i, p, t, c) for i in data]
+        known = MESH_AXES + (CONTEXT_PARALLEL, DATA_CONTEXT) + DATA_AXES
+        raise ValueError(f"Unknown mesh axis {axis!r}: use one of {known}.")
 
     def rank_map(self) -> list[tuple[int, RankCoordinates]]:
         """Every global rank with its coordinates, for the start-up table."""
         return [(rank, self.coordinates(rank)) for rank in range(self.world_size)]
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the 3-D DeviceMesh (needs an initialised default process group).
+        """Create the 3-D root DeviceMesh (needs an initialised default process group): axes data, pipeline,
+        tensor; under context parallelism the first axis is ``data_context`` (data x context ranks, data-major),
+        which :func:`run_mesh` splits into data and context.
 
         Args:
             device_type: ``"cpu"`` or ``"cuda"``.
         """
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
+        if not self.context_parallel_enabled:
+            return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
+        shape = (self.data_context, self.pipeline_parallel, self.tensor_parallel)
+        return init_device_mesh(device_type, shape, mesh_dim_names=(DATA_CONTEXT, PIPELINE_PARALLEL, TENSOR_PARALLEL))
 
     def describe(self) -> str:
         """Short form such as ``dp2 x pp2 x tp1``, or ``dp4(2x2) x pp1 x tp1`` under HSDP."""
         data = f"dp{self.data_parallel}" + (f"({self.data_replicate}x{self.data_shard})" if self.hsdp_enabled else "")
-        return f"{data} x pp{self.pipeline_parallel} x tp{self.tensor_parallel}"
+        context = f" x cp{self.context_parallel}" if self.context_parallel_enabled else ""
+        return f"{data}{context} x pp{self.pipeline_parallel} x tp{self.tensor_parallel}"
+
+
+def run_mesh(layout: ParallelLayout, root: DeviceMesh) -> DeviceMesh:
+    """The mesh the run and the user see (``self.device_mesh``): ``root`` itself, or under context parallelism
+    its 4-D view ``(data_parallel, context_parallel, pipeline_parallel, tensor_parallel)`` (same ranks and root,
+    so tensor-parallel DTensors and FSDP2's data-context mesh compose).
+
+    Args:
+        layout: the resolved layout.
+        root: the mesh :meth:`ParallelLayout.build_mesh` made.
+    """
+    if not layout.context_parallel_enabled:
+        return root
+    from lightning_parallel import _compat
+
+    return _compat.unflatten_mesh_dim(root, DATA_CONTEXT, (layout.data_parallel, layout.context_parallel),
+                                      (DATA_PARALLEL, CONTEXT_PARALLEL))
+
+
+def _after_context(world: World, context_parallel: Size) -> World:
+    """The world the data, pipeline and tensor axes share once ``context_parallel`` ranks split each sequence."""
+    check_size(world.names[CONTEXT_PARALLEL], context_parallel)
+    if context_parallel == "auto" or world.size % context_parallel:
+        raise ValueError(context_mismatch(world.size, context_parallel, world))
+    return world if context_parallel == 1 else World(world.size // context_parallel, world.num_nodes, world.names)
 
 
 def _replica_groups(
@@ -335,21 +336,12 @@ def _replica_groups(
 
 
 def rank_map_rows(layout: ParallelLayout, limit: int = 16) -> dict[str, str]:
-    """The rank map: which global ranks form each tensor, pipeline and data group.
+    """The rank map of the start-up table (:func:`lightning_parallel.layout.rows.rank_map_rows`).
 
     Args:
         layout: the resolved layout.
         limit: groups shown per axis before eliding.
     """
-    rows = {}
-    axes = [("tensor groups", TENSOR_PARALLEL), ("pipeline groups", PIPELINE_PARALLEL), ("data groups", DATA_PARALLEL)]
-    if layout.hsdp_enabled:  # the data groups split: shard within a group, all-reduce across groups
-        axes += [("data shard groups", DATA_SHARD), ("data replica groups", DATA_REPLICATE)]
-    for label, axis in axes:
-        groups = sorted({tuple(layout.group_ranks(axis, rank)) for rank in range(layout.world_size)})
-        if len(groups[0]) == 1:
-            continue
-        shown = " ".join(str(list(g)) for g in groups[:limit]) + (" ..." if len(groups) > limit else "")
-        rows[label] = shown
-    rows["rank -> (data, pipeline, tensor)"] = " ".join(f"{r}:{tuple(c)}" for r, c in layout.rank_map()[: limit * 2])
-    return rows
+    from lightning_parallel.layout.rows import rank_map_rows as rows
+
+    return rows(layout, limit)
