@@ -5,6 +5,9 @@ Note:
       recipes' ``tensor_parallel_plan()`` globs and checkpoints name; keep them stable.
     * Attention reshapes with ``-1`` heads, so a tensor-parallel rank holding a column
       slice of q/k/v computes its own heads unchanged.
+    * The attention itself is a parameter-free submodule (``attn.core``,
+      :class:`DotProductAttention`): context parallelism replaces exactly that module by one that sees
+      the other ranks' keys, which a recipe names in its ``context_parallel_plan()``.
     * The projections are made by ``linear(in_features, out_features)`` (``nn.Linear`` by default): a
       recipe passes a Linear whose ``reset_parameters()`` is its initialisation scheme
       (:class:`examples.building.NormalLinear`), which is what initialises each layer after a build on
@@ -19,6 +22,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 Linear = Callable[[int, int], nn.Module]  # (in_features, out_features) -> a Linear
+
+
+class DotProductAttention(nn.Module):
+    """``softmax(q k^T / sqrt(d)) v`` over ``[batch, heads, seq, head_dim]`` tensors (torch's SDPA).
+
+    Args:
+        is_causal: mask attention to earlier positions.
+        dropout: dropout on the attention weights (training only).
+    """
+
+    def __init__(self, is_causal: bool, dropout: float) -> None:
+        super().__init__()
+        self.is_causal = is_causal
+        self.dropout = dropout
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.is_causal, dropout_p=p)
 
 
 class SelfAttention(nn.Module):
@@ -41,17 +62,14 @@ class SelfAttention(nn.Module):
         self.k = linear(d_model, d_model)
         self.v = linear(d_model, d_model)
         self.out = linear(d_model, d_model)
-        self.dropout = dropout
+        self.core = DotProductAttention(causal, dropout)
         self.resid_drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         batch, seq, _ = x.shape
         # -1 instead of n_head: under tensor parallelism a rank holds only its share of heads.
         q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0
-        )
-        y = y.transpose(1, 2).reshape(batch, seq, -1)
+        y = self.core(q, k, v).transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_drop(self.out(y))
 
 

@@ -1,4 +1,4 @@
-"""lightning_parallel: pipeline, tensor, hybrid and DeepSpeed ZeRO parallelism for PyTorch Lightning.
+"""lightning_parallel: pipeline, tensor, context, hybrid and DeepSpeed ZeRO parallelism for PyTorch Lightning.
 
 Importing the package registers its strategies with Lightning, so
 ``Trainer(strategy="pipeline_parallel")`` works after ``import lightning_parallel``.
@@ -6,6 +6,7 @@ Importing the package registers its strategies with Lightning, so
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.strategies import (
+    ContextParallelStrategy,
     DeepSpeedDataParallelStrategy,
     HybridParallelStrategy,
     PipelineParallelStrategy,
@@ -13,6 +14,7 @@ from lightning_parallel.strategies import (
 )
 
 __all__ = [
+    "ContextParallelStrategy",
     "DeepSpeedDataParallelStrategy",
     "HybridParallelStrategy",
     "ParallelLayout",

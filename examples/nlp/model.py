@@ -35,6 +35,14 @@ STD = 0.02  # every weight and embedding: N(0, STD); biases zero
 IGNORE_INDEX = -100  # targets that carry no loss (padding, masked prompts), as in torch's cross-entropy
 
 
+class TokenPositions(nn.Module):
+    """The positions ``0..seq-1`` of a batch's tokens (a module so that context parallelism, where a rank
+    holds a share of each sequence, can name it in ``context_parallel_plan()`` and give global positions)."""
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return torch.arange(idx.shape[1], device=idx.device)
+
+
 class TokenEmbedding(nn.Module):
     """Token plus learned position embedding, then dropout."""
 
@@ -42,11 +50,11 @@ class TokenEmbedding(nn.Module):
         super().__init__()
         self.tok = NormalEmbedding(vocab_size, d_model, std=STD)
         self.pos = NormalEmbedding(seq_len, d_model, std=STD)
+        self.positions = TokenPositions()
         self.drop = nn.Dropout(dropout)
 
     def forward(self, idx: Tensor) -> Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        return self.drop(self.tok(idx) + self.pos(positions))
+        return self.drop(self.tok(idx) + self.pos(self.positions(idx)))
 
 
 class LMHead(nn.Module):
@@ -160,6 +168,11 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
             "head.norm": "sequence",
             "head.proj": "colwise_gather",
         }
+
+    def context_parallel_plan(self) -> dict[str, str]:
+        """Context parallelism: each block's attention sees the whole sequence across the context ranks, and
+        the position table is indexed by the global positions of the tokens a rank holds."""
+        return {"embed.positions": "positions", "blocks.*.attn.core": "attention"}
 
     # --- evaluation (lightning_parallel.callbacks.EvaluationReport) -------------------
     def evaluation_metrics(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ SETTING_NAMES = {
     "data_parallel": "strategy.data_parallel_size",
     "pipeline_parallel": "strategy.pipeline_parallel_size",
     "tensor_parallel": "strategy.tensor_parallel_size",
+    "context_parallel": "strategy.context_parallel_size",
     "devices": "trainer.devices",
     "num_nodes": "trainer.num_nodes",
 }
@@ -120,7 +121,8 @@ def _check_model(cfg: DictConfig, strategy: Any, layout: ParallelLayout) -> None
     from lightning_parallel.parallel.compose import check_module
 
     options = getattr(_strategy_object(strategy), "options", None)
-    if options is None or not (layout.pipeline_parallel_enabled or layout.tensor_parallel_enabled):
+    if options is None or not (layout.pipeline_parallel_enabled or layout.tensor_parallel_enabled
+                               or layout.context_parallel_enabled):
         return
     with torch.device("meta"):
         model = instantiate(cfg.model)
@@ -129,6 +131,18 @@ def _check_model(cfg: DictConfig, strategy: Any, layout: ParallelLayout) -> None
         except (RuntimeError, AttributeError):
             return  # it needs the Trainer or the mesh: the strategy checks it in setup, before any step
     check_module(model, layout, options)
+
+
+def _check_sequence(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """Context parallelism cuts every sequence into 2 x context-size chunks: ``data.seq_len`` must divide."""
+    seq_len = cfg.get("data", {}).get("seq_len") if OmegaConf.is_dict(cfg.get("data")) else None
+    step = 2 * layout.context_parallel
+    if layout.context_parallel_enabled and isinstance(seq_len, int) and seq_len % step:
+        raise ValueError(
+            f"data.seq_len={seq_len} does not split into {step} equal chunks (2 per context rank, for causal load "
+            f"balance) under strategy.context_parallel_size={layout.context_parallel}: use data.seq_len="
+            f"{seq_len - seq_len % step or step} or {seq_len + step - seq_len % step}."
+        )
 
 
 def trainer_arguments() -> list[str]:
@@ -214,6 +228,7 @@ def preflight(cfg: DictConfig) -> tuple[Any, ParallelLayout]:
         layout = layout_of(strategy, world_size_of(cfg), int(cfg.trainer.num_nodes))
         _check_precision(cfg, strategy, layout)
         _check_model(cfg, strategy, layout)
+        _check_sequence(cfg, layout)
     except ValueError as exc:
         raise ConfigError(qualified(str(exc))) from exc
     return strategy, layout

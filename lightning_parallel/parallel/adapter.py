@@ -27,6 +27,8 @@ from lightning_parallel.parallel.pipeline.plan import PipelinePlan, protocol_pla
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from lightning_parallel.parallel.context.plan import ContextGroup, SequenceSplit
+
 
 class LossWeighting(Protocol):
     """Weights a model's own loss over data-parallel ranks while a training step runs."""
@@ -164,6 +166,50 @@ class ModelAdapter:
 
     def prepare_activation_checkpointing(self) -> None:
         """Make the model safe to recompute (an adapter turns off a key/value cache); nothing for the protocol."""
+
+    # Context parallelism -------------------------------------------------------------------
+    def check_context_parallel(self, method: str, size: int, tensor_size: int = 1) -> None:
+        """Refuse, before any process starts, a model whose attention cannot be split along the sequence.
+
+        The protocol's answer: the module's ``context_parallel_plan()`` must name its attention modules (and
+        any position module) by globs that match (:mod:`lightning_parallel.parallel.context.plan`).
+
+        Args:
+            method: ``"ring"`` or ``"ulysses"``.
+            size: the context-parallel size.
+            tensor_size: the tensor-parallel size (heads a rank holds are divided by it too).
+        """
+        from lightning_parallel.parallel.context.plan import matching_plan
+
+        matching_plan(self.module, self._context_plan(), type(self.module).__name__)
+
+    def apply_context_parallel(self, model: nn.Module, context: ContextGroup) -> SequenceSplit:
+        """Make ``model`` (this rank's share) attend across ``context``; returns how a batch is split for it.
+
+        Args:
+            model: the module after its pipeline split and tensor sharding.
+            context: this rank's context group.
+        """
+        from lightning_parallel.parallel.context.plan import (
+            SequenceSplit,
+            apply_context_plan,
+            matching_plan,
+            split_pair_batch,
+        )
+
+        owner = type(self.module).__name__
+        apply_context_plan(model, matching_plan(model, self._context_plan(), owner, whole=False), context)
+        return SequenceSplit(context, lambda batch: split_pair_batch(batch, context, self.split_batch))
+
+    def _context_plan(self) -> dict[str, str]:
+        own = getattr(self.module, "context_parallel_plan", None)
+        if not callable(own):
+            raise ValueError(
+                f"context_parallel_size > 1, but {type(self.module).__name__} defines no context_parallel_plan() and "
+                "holds no Hugging Face decoder: name its attention modules ({'blocks.*.attn.core': 'attention'}, "
+                "see docs/context-parallel.md), or set context_parallel_size=1."
+            )
+        return dict(own())
 
     # Losses --------------------------------------------------------------------------------
     def loss_weighting(

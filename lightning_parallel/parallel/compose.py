@@ -8,6 +8,10 @@ tensor layout, in torchtitan's order:
    only what this rank holds and parameter names never change;
 2. **tensor parallelism** -- ``parallelize_module`` on the submodules this rank holds; it
    must precede FSDP2, which shards the DTensor parameters TP created along one more axis;
+   then **context attention** (:mod:`.context`): the adapter replaces the attention this rank holds
+   by one that sees the whole sequence across the context group (ring or all-to-all) and says how a
+   batch is split along the sequence -- after TP, so a rank attends with the heads it holds; before
+   checkpointing, so recomputation replays the context attention too;
 3. **activation checkpointing** (``activation_checkpointing``, :mod:`.activation_checkpoint`)
    -- makes this rank's layers (or the submodules a glob list names) recompute their
    forward in backward: after TP, so recomputation runs the sharded layer and its
@@ -39,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch import Tensor, nn
 
-from lightning_parallel.layout import TENSOR_PARALLEL, ParallelLayout
+from lightning_parallel.layout import CONTEXT_PARALLEL, TENSOR_PARALLEL, ParallelLayout
 from lightning_parallel.parallel import activation_checkpoint
 from lightning_parallel.parallel.adapter import ModelAdapter
 from lightning_parallel.parallel.data import data_axis_mesh, shard_data_axis, uses_data_axis
@@ -65,6 +69,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
 
+    from lightning_parallel.parallel.context.plan import SequenceSplit
+
 
 @dataclass(frozen=True)
 class Parallelized:
@@ -84,6 +90,7 @@ class Parallelized:
         tied: parameters tied across this rank's and other pipeline ranks' stages.
         adapter: the model adapter everything above was asked of (the executors ask it too).
         loss_terms: whether ``loss_fn`` returns ``(loss_sum, num_items)`` terms rather than a mean.
+        context_split: how batches split along the sequence and outputs join (None without context parallelism).
     """
 
     layout: ParallelLayout
@@ -98,6 +105,7 @@ class Parallelized:
     tied: tuple[pipeline_tied.TiedCopies, ...] = ()
     adapter: Optional[ModelAdapter] = None
     loss_terms: bool = False
+    context_split: Optional[SequenceSplit] = None
 
     @property
     def pipelined(self) -> bool:
@@ -133,6 +141,8 @@ def check_module(
     if layout.pipeline_parallel_enabled:
         check_pipeline(module, layout, options, adapter=adapter)
     check_activation_checkpointing(module, options.activation_checkpointing, adapter=adapter)
+    if layout.context_parallel_enabled:
+        adapter.check_context_parallel(options.context_parallel_method, layout.context_parallel, layout.tensor_parallel)
     return check_tensor(module, layout, options, adapter=adapter)
 
 
@@ -291,6 +301,7 @@ def parallelize(
     plan = check_tensor(module, layout, options, adapter=adapter)
     split, stages, stage_ids, last, tied = _cut(module, layout, options, rank, layer_times, pipe, on_split)
     _apply_local_plan(module, layout, mesh, plan, adapter)
+    context_split = _apply_context(module, layout, mesh, options, adapter)
     checkpoint_activations(module, options.activation_checkpointing, split, adapter=adapter)
     _wrap_data_axis(module, layout, options, (mesh, data_mesh), split, stages, precision, adapter)
     if init_plan is not None:  # (7) only now is anything allocated: this rank's share
@@ -298,7 +309,21 @@ def parallelize(
     pipeline_tied.mark_copies(module, tied)  # after FSDP2/TP/to_empty replaced the parameter objects
     loss_fn, count = (pipe.loss_fn, pipe.count_items) if pipe is not None else (None, None)
     return Parallelized(layout, options, plan, split, tuple(stages), tuple(stage_ids), last, loss_fn, count,
-                        tuple(tied), adapter, pipe is not None and pipe.loss_terms)
+                        tuple(tied), adapter, pipe is not None and pipe.loss_terms, context_split)
+
+
+def _apply_context(module: nn.Module, layout: ParallelLayout, mesh: DeviceMesh, options: ParallelOptions,
+                   adapter: ModelAdapter) -> Optional[SequenceSplit]:
+    """Step 2's second half: the adapter makes the attention this rank holds see the whole sequence."""
+    if not layout.context_parallel_enabled:
+        return None
+    from lightning_parallel.parallel.context.plan import ContextGroup
+
+    adapter.check_context_parallel(options.context_parallel_method, layout.context_parallel, layout.tensor_parallel)
+    axis = mesh[CONTEXT_PARALLEL]
+    context = ContextGroup(axis.get_group(), layout.context_parallel, axis.get_local_rank(),
+                           options.context_parallel_method)
+    return adapter.apply_context_parallel(module, context)
 
 
 def _cut(module: nn.Module, layout: ParallelLayout, options: ParallelOptions, rank: int,

@@ -34,6 +34,7 @@ ZERO_DESCRIPTIONS = {
 }
 
 OFFLOAD_MODES = ("none", "params")
+CONTEXT_METHODS = ("ring", "ulysses")  # see lightning_parallel.parallel.context
 
 # What ``offload`` does (start-up table, docs).
 OFFLOAD_DESCRIPTIONS = {
@@ -133,6 +134,12 @@ class ParallelOptions:
             to the device for its all-gather and the optimizer step runs on the CPU; on a CPU device nothing
             moves). ``"optimizer"`` is refused: FSDP2 has no optimizer-only offload (see
             :mod:`lightning_parallel.parallel.data`).
+        context_parallel_size: ranks that split every sequence of a data replica (context parallelism,
+            :mod:`lightning_parallel.parallel.context`); 1: off; ``"auto"`` (the ``context_parallel`` preset): what
+            the other sizes, then explicit, leave of the world.
+        context_parallel_method: how attention sees the other ranks' keys: ``"ring"`` (key/value blocks
+            travel around the context group; any head count) or ``"ulysses"`` (all-to-all from sequence to
+            head shards around an unchanged attention kernel; heads per tensor rank divisible by the size).
 
     Raises:
         ValueError: any option that cannot work, naming the fix.
@@ -160,6 +167,8 @@ class ParallelOptions:
     bucket_size_mb: Optional[float] = None
     fsdp_prefetch: Optional[int] = None
     offload: str = "none"
+    context_parallel_size: Size = 1
+    context_parallel_method: str = "ring"
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
@@ -190,6 +199,7 @@ class ParallelOptions:
         self._check_bucket()
         self._check_prefetch()
         self._check_offload()
+        self._check_context()
 
     def _apply_comm_hook(self) -> None:
         refused = {
@@ -253,6 +263,12 @@ class ParallelOptions:
                 "the whole model on every data rank (nothing is sharded). Use zero_stage=3 (or 2), or offload='none'."
             )
 
+    def _check_context(self) -> None:
+        check_size("context_parallel_size", self.context_parallel_size)  # "auto": what the other sizes leave
+        if self.context_parallel_method not in CONTEXT_METHODS:
+            raise ValueError(f"Unknown context_parallel_method={self.context_parallel_method!r}: use 'ring' (any head "
+                             "count) or 'ulysses' (all-to-all; heads divisible by tensor x context size).")
+
     @property
     def bucket_bytes(self) -> int:
         """Bytes of one data-axis gradient bucket (DDP's default 25 MB under ``zero_stage=0``; ZeRO 2/3: per layer)."""
@@ -285,7 +301,7 @@ class ParallelOptions:
         return (self.schedule, self.stages_per_rank, self.partition, self.zero_stage, self.sequence_parallel,
                 self.loss_parallel, repr(self.plan), self.activation_checkpointing, self.param_dtype, self.reduce_dtype,
                 self.data_replicate_size, self.data_shard_size, self.bucket_size_mb, self.fsdp_prefetch,
-                self.offload)
+                self.offload, self.context_parallel_size, self.context_parallel_method)
 
 
 def option_names() -> tuple[str, ...]:

@@ -8,9 +8,14 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
-from lightning_parallel.strategies.presets import PipelineParallelStrategy, TensorParallelStrategy
+from lightning_parallel.strategies.presets import (
+    ContextParallelStrategy,
+    PipelineParallelStrategy,
+    TensorParallelStrategy,
+)
 
-STRATEGIES = (DeepSpeedDataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy)
+STRATEGIES = (DeepSpeedDataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy,
+              ContextParallelStrategy)
 
 
 def register_all(registry=StrategyRegistry) -> None:
@@ -22,6 +27,7 @@ def register_all(registry=StrategyRegistry) -> None:
 register_all()
 
 __all__ = [
+    "ContextParallelStrategy",
     "DeepSpeedDataParallelStrategy",
     "HybridParallelStrategy",
     "PipelineParallelStrategy",

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL
+from lightning_parallel.layout import PIPELINE_PARALLEL
 from lightning_parallel.parallel.adapter import LossWeighting, ModelAdapter
 from lightning_parallel.parallel.pipeline.runner import PipelineRunner, default_item_count
 from lightning_parallel.parallel.tensor.plan import loss_parallel_context
@@ -95,10 +95,10 @@ class PipelinedExecutor(DirectExecutor):
 
     def __init__(self, strategy: Any, parallelized: Parallelized) -> None:
         super().__init__(parallelized.options.loss_parallel)
-        options, layout = parallelized.options, parallelized.layout
+        options = parallelized.options
         self.strategy = strategy
-        self.data_parallel = layout.data_parallel
-        self.dp_group = strategy.device_mesh[DATA_PARALLEL].get_group() if layout.data_parallel_enabled else None
+        # The loss averages over data replicas x context ranks (each holds a share of every sequence).
+        self.dp_group, self.data_parallel = strategy.loss_group()
         module = strategy.lightning_module
         self.adapter = parallelized.adapter or ModelAdapter.resolve(module)
         # Terms (loss_sum, num_items) as the adapter's pipeline plan said: the module's
@@ -115,7 +115,7 @@ class PipelinedExecutor(DirectExecutor):
             device=strategy.root_device,
             group=strategy.device_mesh[PIPELINE_PARALLEL].get_group(),
             last_stage_rank=parallelized.last_stage_rank,
-            data_parallel_size=layout.data_parallel,
+            data_parallel_size=self.data_parallel,
             count_items=self.count_items,
         )
         self._parked: list[tuple[Tensor, Tensor]] = []
@@ -215,12 +215,12 @@ def choose_executor(strategy: Any, parallelized: Optional[Parallelized]) -> Dire
         return PipelinedExecutor(strategy, parallelized)
     if parallelized is None:
         return DirectExecutor()
-    layout, module = parallelized.layout, strategy.lightning_module
+    module = strategy.lightning_module
     weighting = None
-    if layout.data_parallel_enabled:
-        group = strategy.device_mesh[DATA_PARALLEL].get_group()
+    group, size = strategy.loss_group()  # data replicas x context ranks
+    if size > 1:
         accumulation = module.trainer.accumulate_grad_batches
         adapter = parallelized.adapter or ModelAdapter.resolve(module)
-        weighting = adapter.loss_weighting(group, layout.data_parallel, accumulation, warn=strategy.global_rank == 0)
+        weighting = adapter.loss_weighting(group, size, accumulation, warn=strategy.global_rank == 0)
     return DirectExecutor(parallelized.options.loss_parallel, weighting)
 

@@ -31,7 +31,7 @@ from lightning_parallel.adapters import ModelAdapter
 from lightning_parallel.checkpoints import optimizer_state_dict, resolve_checkpoint, save_sharded_checkpoint
 from lightning_parallel.checkpoints.lightning.writer import parameter_order_entry
 from lightning_parallel.checkpoints.resume import resume_from
-from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout
+from lightning_parallel.layout import DATA_CONTEXT, DATA_PARALLEL, PIPELINE_PARALLEL, ParallelLayout, run_mesh
 from lightning_parallel.parallel.activation_checkpoint import describe_choice
 from lightning_parallel.parallel.compose import Parallelized, check_module, parallelize
 from lightning_parallel.parallel.data import build_data_mesh, deferred_gradient_sync
@@ -51,7 +51,7 @@ __all__ = ["CollectiveTimeout", "HybridParallelStrategy"]
 
 # How the strategy's arguments are spelled in layout errors.
 _SIZE_NAMES = {"data_parallel": "data_parallel_size", "pipeline_parallel": "pipeline_parallel_size",
-               "tensor_parallel": "tensor_parallel_size"}
+               "tensor_parallel": "tensor_parallel_size", "context_parallel": "context_parallel_size"}
 
 
 class HybridParallelStrategy(ModelParallelStrategy):
@@ -114,6 +114,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.parallelized: Optional[Parallelized] = None
         self._mesh: Any = None
         self._data_mesh: Any = None  # the data axis unflattened (replicate, shard), when FSDP2 needs it
+        self._root_mesh: Any = None  # (data[_context], pipeline, tensor): the mesh every other one is a view of
         self._parallelized_module: Optional[weakref.ref] = None
         self._executor: executors.DirectExecutor = executors.DirectExecutor()
 
@@ -129,10 +130,12 @@ class HybridParallelStrategy(ModelParallelStrategy):
             num_nodes: nodes in the run, for the messages (default: the strategy's).
         """
         o = self.options
+        context = _context_size(o, world_size, names or _SIZE_NAMES)
         return ParallelLayout.resolve(world_size, o.data_parallel_size, o.pipeline_parallel_size,
                                       o.tensor_parallel_size, names=names or _SIZE_NAMES,
                                       num_nodes=num_nodes or self.num_nodes,
-                                      data_replicate=o.data_replicate_size, data_shard=o.data_shard_size)
+                                      data_replicate=o.data_replicate_size, data_shard=o.data_shard_size,
+                                      context_parallel=context)
 
     def startup_rows(self, layout: ParallelLayout) -> dict[str, str]:
         """Strategy rows of the start-up table (see :mod:`lightning_parallel.cli.report`)."""
@@ -144,6 +147,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 f"schedule {o.schedule}, {o.microbatches} micro-batches, {o.num_stages(layout.pipeline_parallel)} "
                 f"stages ({o.stages_per_rank}/rank), partition {o.partition}"
             )
+        if layout.context_parallel_enabled:
+            rows["context"] = (f"{layout.context_parallel} ranks split every sequence ({o.context_parallel_method}; "
+                               "head-tail chunks for causal balance)")
         if layout.tensor_parallel_enabled:
             rows["tensor"] = f"sequence_parallel={o.sequence_parallel}, loss_parallel={o.loss_parallel}"
         rows["data"] = ZERO_DESCRIPTIONS[o.zero_stage] + (
@@ -160,6 +166,16 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if self._mesh is None:
             raise RuntimeError("The device mesh exists only after setup_environment (once processes are initialised).")
         return self._mesh
+
+    def loss_group(self) -> tuple[Optional[Any], int]:
+        """``(group, size)`` of the ranks a loss is averaged over and gradients are reduced over: the data
+        replicas, times the context ranks that each hold a share of every sequence; ``(None, 1)`` when alone."""
+        layout = self.layout
+        if layout.context_parallel_enabled:
+            return self._root_mesh[DATA_CONTEXT].get_group(), layout.data_context
+        if layout.data_parallel_enabled:
+            return self.device_mesh[DATA_PARALLEL].get_group(), layout.data_parallel
+        return None, 1
 
     @property
     def pipeline_split(self) -> Optional[PipelineSplit]:
@@ -190,8 +206,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         # NCCL (torchtitan's "cuda:nccl,cpu:gloo" under FSDP2 CPU offload).
         cpu_too = self.options.offload != "none" and self.root_device.type == "cuda"
         _compat.init_model_parallel_process_group(self, "cuda:nccl,cpu:gloo" if cpu_too else None)
-        self._mesh = self.layout.build_mesh(self.root_device.type)
-        self._data_mesh = build_data_mesh(self.layout, self._mesh, self.options.zero_stage)
+        root = self._root_mesh = self.layout.build_mesh(self.root_device.type)
+        self._mesh = run_mesh(self.layout, root)  # 4-D (data, context, pipeline, tensor) under context parallelism
+        self._data_mesh = build_data_mesh(self.layout, root, self.options.zero_stage)
         _compat.set_module_device_mesh(self.lightning_module, self._mesh)
 
     @property
@@ -260,6 +277,14 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
             print_table("lightning_parallel: pipeline split", list(split.describe().items()))
 
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Lightning's move to the device; then, under context parallelism, this rank's share of every sequence
+        (``predict_step`` joins the outputs again)."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        split = self.parallelized.context_split if self.parallelized is not None else None
+        return batch if split is None else split.split_batch(batch)
+
     # --- steps: delegated to the executor chosen in setup --------------------------------
     @override
     @names_timeouts("training_step (pipeline schedule send/recv, tensor-parallel and FSDP collectives)")
@@ -282,7 +307,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         default = lambda: super(HybridParallelStrategy, self).predict_step(*args, **kwargs)
-        return self._executor.predict_step(default, args[0] if args else kwargs.get("batch"))
+        output = self._executor.predict_step(default, args[0] if args else kwargs.get("batch"))
+        split = self.parallelized.context_split if self.parallelized is not None else None
+        return output if split is None else split.gather_outputs(output)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
@@ -360,6 +387,21 @@ class HybridParallelStrategy(ModelParallelStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="data x pipeline x tensor parallelism (lightning_parallel)"
             )
+
+
+def _context_size(options: ParallelOptions, world_size: int, names: dict[str, str]) -> int:
+    """The context size: explicit, or with ``"auto"`` what the (then explicit) other sizes leave of the world."""
+    if options.context_parallel_size != "auto":
+        return options.context_parallel_size
+    others = {"data_parallel": options.data_parallel_size, "pipeline_parallel": options.pipeline_parallel_size,
+              "tensor_parallel": options.tensor_parallel_size}
+    if "auto" in others.values() or world_size % (product := others["data_parallel"] * others["pipeline_parallel"]
+                                                  * others["tensor_parallel"]):
+        given = ", ".join(f"{names.get(k, k)}={v!r}" for k, v in others.items())
+        raise ValueError(f"{names.get('context_parallel', 'context_parallel')}='auto' takes what the other sizes leave "
+                         f"of {world_size} processes, but they are {given}: give them explicit sizes whose product "
+                         f"divides {world_size}, or give the context size.")
+    return world_size // product
 
 
 def _checked_load_optimizer_state(value: Any) -> bool:

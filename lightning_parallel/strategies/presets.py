@@ -67,3 +67,29 @@ class TensorParallelStrategy(HybridParallelStrategy):
         super().__init__(options, process_group_backend=process_group_backend,
                          load_optimizer_state=load_optimizer_state,
                          **_preset_sizes("tensor_parallel_size", options, option_kwargs))
+
+
+class ContextParallelStrategy(HybridParallelStrategy):
+    """Context parallelism: every sequence split over the ranks (ring or all-to-all attention).
+
+    With ``context_parallel_size="auto"`` (the default here) every rank holds a share of every sequence; an
+    explicit size smaller than the world leaves the rest to data parallelism.
+
+    Args:
+        options: see :class:`~lightning_parallel.parallel.options.ParallelOptions` (``context_parallel_method``,
+            ...), taken as it is; or its fields as keywords, where this preset's size defaults apply.
+        process_group_backend: see :class:`HybridParallelStrategy`.
+        load_optimizer_state: see :class:`HybridParallelStrategy`.
+        **option_kwargs: fields of ``ParallelOptions`` by name, e.g. ``context_parallel_size=2``.
+    """
+
+    strategy_name = "context_parallel"
+
+    def __init__(self, options: Optional[ParallelOptions] = None, *, process_group_backend: Optional[str] = None,
+                 load_optimizer_state: bool = True, **option_kwargs: Any) -> None:
+        if options is None:  # "auto" context takes explicit other sizes: data 1 unless given
+            option_kwargs.setdefault("context_parallel_size", "auto")
+            auto = option_kwargs["context_parallel_size"] == "auto"
+            option_kwargs.setdefault("data_parallel_size", 1 if auto else "auto")
+        super().__init__(options, process_group_backend=process_group_backend,
+                         load_optimizer_state=load_optimizer_state, **option_kwargs)

@@ -23,6 +23,20 @@ def text_dataset(samples: int, seq_len: int):
     return Subset(ByteWindows(train, seq_len), range(samples))
 
 
+def padded_text_dataset(samples: int, seq_len: int):
+    """Byte windows right-padded to unequal lengths: after a per-sample valid length (seeded, at least 2
+    tokens) the inputs are 0 and the targets -100, so token counts differ between samples and ranks."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    windows = text_dataset(samples, seq_len)
+    inputs = torch.stack([windows[i][0] for i in range(samples)])
+    targets = torch.stack([windows[i][1] for i in range(samples)])
+    valid = torch.randint(2, seq_len + 1, (samples,), generator=torch.Generator().manual_seed(7))
+    pad = torch.arange(seq_len)[None, :] >= valid[:, None]
+    return TensorDataset(inputs.masked_fill(pad, 0), targets.masked_fill(pad, -100))
+
+
 def tiny_gpt(**overrides):
     """A GPT small enough for multi-process tests (width 32, 2 blocks, 4 heads, 16 tokens)."""
     from functools import partial
@@ -61,7 +75,8 @@ def fit_losses(
         optimizer: ``"sgd"`` or ``"adamw"``.
         trainer_kwargs: extra Trainer arguments (accumulation, clipping, ...).
         model_factory: builds the model (default: ResidualMLP width 32, depth 4).
-        dataset: ``"regression"`` (width-32 vectors) or ``"text"`` (byte windows of 16 tokens).
+        dataset: ``"regression"`` (width-32 vectors), ``"text"`` (byte windows of 16 tokens) or ``"text_padded"``
+            (the same, right-padded to unequal lengths with ``-100`` targets).
     """
     pl.seed_everything(0)
     trainer_kwargs = dict(trainer_kwargs or {})
@@ -69,7 +84,8 @@ def fit_losses(
     model = model_factory() if model_factory else ResidualMLP(width=32, depth=4, optimizer=optimizer)
     if callable(strategy) and not isinstance(strategy, (str, pl.strategies.Strategy)):
         strategy = strategy()
-    samples = regression_dataset(SAMPLES, 32) if dataset == "regression" else text_dataset(SAMPLES, 16)
+    samples = {"regression": lambda: regression_dataset(SAMPLES, 32), "text": lambda: text_dataset(SAMPLES, 16),
+               "text_padded": lambda: padded_text_dataset(SAMPLES, 16)}[dataset]()
     batch_size = global_batch // data_parallel
     losses = fit_recording_losses(model, strategy, world_size, samples, batch_size, steps, **trainer_kwargs)
     assert len(losses) == steps * accumulate
