@@ -299,6 +299,8 @@ def parallelize(
     init_plan = _plan_materialization(module, adapter, materialization)
     pipe = check_pipeline(module, layout, options, adapter=adapter) if layout.pipeline_parallel_enabled else None
     plan = check_tensor(module, layout, options, adapter=adapter)
+    if layout.context_parallel_enabled:  # on the whole model: a pipeline rank's share may hold no attention
+        adapter.check_context_parallel(options.context_parallel_method, layout.context_parallel, layout.tensor_parallel)
     split, stages, stage_ids, last, tied = _cut(module, layout, options, rank, layer_times, pipe, on_split)
     _apply_local_plan(module, layout, mesh, plan, adapter)
     context_split = _apply_context(module, layout, mesh, options, adapter)
@@ -319,7 +321,6 @@ def _apply_context(module: nn.Module, layout: ParallelLayout, mesh: DeviceMesh, 
         return None
     from lightning_parallel.parallel.context.plan import ContextGroup
 
-    adapter.check_context_parallel(options.context_parallel_method, layout.context_parallel, layout.tensor_parallel)
     axis = mesh[CONTEXT_PARALLEL]
     context = ContextGroup(axis.get_group(), layout.context_parallel, axis.get_local_rank(),
                            options.context_parallel_method)

@@ -52,7 +52,7 @@ def last_stage_rank(layout: ParallelLayout, options: ParallelOptions, rank: int)
         for r in range(layout.pipeline_parallel)
         if num_stages - 1 in stage_ids_for_rank(options.schedule, r, layout.pipeline_parallel, options.stages_per_rank)
     )
-    return layout.rank_at(coords.data, holder, coords.tensor)
+    return layout.rank_at(coords.data, holder, coords.tensor, layout.context_rank(rank))
 
 
 def _check_pipeline_layers(module: nn.Module, plan: PipelinePlan, layout: ParallelLayout,
@@ -102,7 +102,7 @@ def tied_copies(split: PipelineSplit, layout: ParallelLayout, options: ParallelO
     for pipeline_rank in range(layout.pipeline_parallel):
         for stage in stage_ids_for_rank(options.schedule, pipeline_rank, layout.pipeline_parallel,
                                         options.stages_per_rank):
-            rank_of_stage[stage] = layout.rank_at(coords.data, pipeline_rank, coords.tensor)
+            rank_of_stage[stage] = layout.rank_at(coords.data, pipeline_rank, coords.tensor, layout.context_rank(rank))
     return pipeline_tied.local_tied_copies(split.shared, stage_of_layer(list(split.bounds)), rank_of_stage, rank)
 
 

@@ -45,3 +45,41 @@ def test_context_composed_with_data_pipeline_and_tensor_on_four_ranks():
     per_rank = run_processes(fit_cases, 4, cases, timeout=900)
     worst = assert_parity(per_rank, reference_losses(cases))
     print("max |loss - one process|:", worst)
+
+
+def _gpt_per_rank_mean():
+    """The recipe with a loss that is each rank's own token mean (the mistake a context split invites)."""
+    import torch.nn.functional as F
+
+    from examples.nlp.model import IGNORE_INDEX
+
+    model = tiny_gpt()
+
+    def training_step(batch, batch_idx):
+        inputs, targets = batch
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1), ignore_index=IGNORE_INDEX)
+        model.log("train_loss", model.trainer.strategy.reduce(loss.detach(), reduce_op="mean"))
+        return loss
+
+    model.training_step = training_step
+    return model
+
+
+def _gpt_local_positions():
+    """The recipe whose plan forgets the position module: each rank embeds positions 0..s_local-1."""
+    model = tiny_gpt()
+    model.context_parallel_plan = lambda: {"blocks.*.attn.core": "attention"}
+    return model
+
+
+def test_negative_controls_a_per_rank_mean_or_local_positions_are_caught():
+    cases = {
+        "per-rank-mean": dict(_gpt(context_parallel_size=2), model_factory=_gpt_per_rank_mean),
+        "local-positions": dict(_gpt(context_parallel_size=2), model_factory=_gpt_local_positions),
+    }
+    per_rank = run_processes(fit_cases, 2, cases, timeout=600)
+    reference = reference_losses({name: _gpt() for name in cases})
+    for name in cases:
+        diffs = [max(abs(a - b) for a, b in zip(r[name], reference[name])) for r in per_rank]
+        assert min(diffs) > 1e-4, f"{name}: the parity comparison did not see the mistake ({diffs})"
