@@ -30,12 +30,14 @@ class DotProductAttention(nn.Module):
     Args:
         is_causal: mask attention to earlier positions.
         dropout: dropout on the attention weights (training only).
+        num_heads: heads of the whole layer (what a split over heads checks before it starts).
     """
 
-    def __init__(self, is_causal: bool, dropout: float) -> None:
+    def __init__(self, is_causal: bool, dropout: float, num_heads: int) -> None:
         super().__init__()
         self.is_causal = is_causal
         self.dropout = dropout
+        self.num_heads = num_heads
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         p = self.dropout if self.training else 0.0
@@ -62,7 +64,7 @@ class SelfAttention(nn.Module):
         self.k = linear(d_model, d_model)
         self.v = linear(d_model, d_model)
         self.out = linear(d_model, d_model)
-        self.core = DotProductAttention(causal, dropout)
+        self.core = DotProductAttention(causal, dropout, n_head)
         self.resid_drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:

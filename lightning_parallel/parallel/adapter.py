@@ -179,9 +179,10 @@ class ModelAdapter:
             size: the context-parallel size.
             tensor_size: the tensor-parallel size (heads a rank holds are divided by it too).
         """
-        from lightning_parallel.parallel.context.plan import matching_plan
+        from lightning_parallel.parallel.context.plan import check_heads_of, matching_plan
 
-        matching_plan(self.module, self._context_plan(), type(self.module).__name__)
+        found = matching_plan(self.module, self._context_plan(), type(self.module).__name__)
+        check_heads_of(self.module, found, method, size, tensor_size)
 
     def apply_context_parallel(self, model: nn.Module, context: ContextGroup) -> SequenceSplit:
         """Make ``model`` (this rank's share) attend across ``context``; returns how a batch is split for it.

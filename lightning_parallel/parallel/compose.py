@@ -297,10 +297,7 @@ def parallelize(
     _refuse_parallelized(module)
     adapter = adapter or ModelAdapter.resolve(module)
     init_plan = _plan_materialization(module, adapter, materialization)
-    pipe = check_pipeline(module, layout, options, adapter=adapter) if layout.pipeline_parallel_enabled else None
-    plan = check_tensor(module, layout, options, adapter=adapter)
-    if layout.context_parallel_enabled:  # on the whole model: a pipeline rank's share may hold no attention
-        adapter.check_context_parallel(options.context_parallel_method, layout.context_parallel, layout.tensor_parallel)
+    pipe, plan = _check_whole(module, layout, options, adapter)
     split, stages, stage_ids, last, tied = _cut(module, layout, options, rank, layer_times, pipe, on_split)
     _apply_local_plan(module, layout, mesh, plan, adapter)
     context_split = _apply_context(module, layout, mesh, options, adapter)
@@ -312,6 +309,16 @@ def parallelize(
     loss_fn, count = (pipe.loss_fn, pipe.count_items) if pipe is not None else (None, None)
     return Parallelized(layout, options, plan, split, tuple(stages), tuple(stage_ids), last, loss_fn, count,
                         tuple(tied), adapter, pipe is not None and pipe.loss_terms, context_split)
+
+
+def _check_whole(module: nn.Module, layout: ParallelLayout, options: ParallelOptions,
+                 adapter: ModelAdapter) -> tuple[Optional[PipelinePlan], dict]:
+    """The checks on the whole model, before the split: ``(pipeline plan or None, tensor plan)``."""
+    pipe = check_pipeline(module, layout, options, adapter=adapter) if layout.pipeline_parallel_enabled else None
+    plan = check_tensor(module, layout, options, adapter=adapter)
+    if layout.context_parallel_enabled:  # on the whole model: a pipeline rank's share may hold no attention
+        adapter.check_context_parallel(options.context_parallel_method, layout.context_parallel, layout.tensor_parallel)
+    return pipe, plan
 
 
 def _apply_context(module: nn.Module, layout: ParallelLayout, mesh: DeviceMesh, options: ParallelOptions,

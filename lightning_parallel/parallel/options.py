@@ -9,6 +9,7 @@ divide) live in :mod:`lightning_parallel.parallel.compose` and
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -290,6 +291,26 @@ class ParallelOptions:
                 f"{given} splits the data axis for HSDP, which shards within a group: zero_stage=0 replicates the "
                 "model on every data rank and all-reduces over the whole axis. Fix: zero_stage=2 or 3, or drop it."
             )
+
+    def resolved_context_size(self, world_size: int, names: Mapping[str, str]) -> int:
+        """The context size: explicit, or with ``"auto"`` what the (then explicit) other sizes leave of the world.
+
+        Args:
+            world_size: processes in the run.
+            names: how messages spell the sizes (``{"data_parallel": "data_parallel_size", ...}``).
+        """
+        if self.context_parallel_size != "auto":
+            return self.context_parallel_size
+        others = {"data_parallel": self.data_parallel_size, "pipeline_parallel": self.pipeline_parallel_size,
+                  "tensor_parallel": self.tensor_parallel_size}
+        explicit = "auto" not in others.values()
+        product = math.prod(others.values()) if explicit else 0
+        if not explicit or world_size % product:
+            given = ", ".join(f"{names.get(k, k)}={v!r}" for k, v in others.items())
+            raise ValueError(f"{names.get('context_parallel', 'context_parallel')}='auto' takes what the other sizes "
+                             f"leave of {world_size} processes, but they are {given}: give them explicit sizes whose "
+                             f"product divides {world_size}, or give the context size.")
+        return world_size // product
 
     def num_stages(self, pipeline_parallel: int) -> int:
         """Pipeline stages in all for ``pipeline_parallel`` ranks."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from lightning_parallel.layout import _factorizations
+from lightning_parallel.layout import factorizations
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, check_microbatches, validate_schedule
 from lightning_parallel.planner.shapes import ModelShape
 from lightning_parallel.scaling import Reference, rescale
@@ -179,7 +179,7 @@ def enumerate_layouts(shape: ModelShape, world: int, work: Workload,
         checkpointing = tuple(ac for ac in checkpointing if ac != "selective")
         rejected.append(Rejected("activation_checkpointing=selective", "not modelled: what selective checkpointing "
                                  f"keeps of {shape.name}'s measured layers is not known; none and full are planned"))
-    for dp, pp, tp in _factorizations(world):
+    for dp, pp, tp in factorizations(world):
         label = f"dp{dp}xpp{pp}xtp{tp}"
         reason = _tp_reasons(shape, tp) if tp > 1 else None
         if reason is None and pp > layers:

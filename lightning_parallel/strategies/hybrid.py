@@ -32,15 +32,14 @@ from lightning_parallel.checkpoints import optimizer_state_dict, resolve_checkpo
 from lightning_parallel.checkpoints.lightning.writer import parameter_order_entry
 from lightning_parallel.checkpoints.resume import resume_from
 from lightning_parallel.layout import DATA_CONTEXT, DATA_PARALLEL, PIPELINE_PARALLEL, ParallelLayout, run_mesh
-from lightning_parallel.parallel.activation_checkpoint import describe_choice
 from lightning_parallel.parallel.compose import Parallelized, check_module, parallelize
 from lightning_parallel.parallel.data import build_data_mesh, deferred_gradient_sync
 from lightning_parallel.parallel.materialize import Materialization
-from lightning_parallel.parallel.options import OFFLOAD_DESCRIPTIONS, ZERO_DESCRIPTIONS, ParallelOptions, options_from
+from lightning_parallel.parallel.options import ParallelOptions, options_from
 from lightning_parallel.parallel.pipeline import tied as pipeline_tied
 from lightning_parallel.parallel.pipeline.chain_check import on_meta
 from lightning_parallel.parallel.pipeline.stages import PipelineSplit
-from lightning_parallel.parallel.precision import check_precision, describe_precision
+from lightning_parallel.parallel.precision import check_precision
 from lightning_parallel.strategies import executors
 from lightning_parallel.strategies.clipping import GlobalNormClipping
 from lightning_parallel.strategies.layer_timing import agreed_layer_times
@@ -130,7 +129,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             num_nodes: nodes in the run, for the messages (default: the strategy's).
         """
         o = self.options
-        context = _context_size(o, world_size, names or _SIZE_NAMES)
+        context = o.resolved_context_size(world_size, names or _SIZE_NAMES)
         return ParallelLayout.resolve(world_size, o.data_parallel_size, o.pipeline_parallel_size,
                                       o.tensor_parallel_size, names=names or _SIZE_NAMES,
                                       num_nodes=num_nodes or self.num_nodes,
@@ -139,26 +138,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     def startup_rows(self, layout: ParallelLayout) -> dict[str, str]:
         """Strategy rows of the start-up table (see :mod:`lightning_parallel.cli.report`)."""
-        from lightning_parallel.layout import rank_map_rows
+        from lightning_parallel.strategies.startup_rows import layout_rows
 
-        o, rows = self.options, {}
-        if layout.pipeline_parallel_enabled:
-            rows["pipeline"] = (
-                f"schedule {o.schedule}, {o.microbatches} micro-batches, {o.num_stages(layout.pipeline_parallel)} "
-                f"stages ({o.stages_per_rank}/rank), partition {o.partition}"
-            )
-        if layout.context_parallel_enabled:
-            rows["context"] = (f"{layout.context_parallel} ranks split every sequence ({o.context_parallel_method}; "
-                               "head-tail chunks for causal balance)")
-        if layout.tensor_parallel_enabled:
-            rows["tensor"] = f"sequence_parallel={o.sequence_parallel}, loss_parallel={o.loss_parallel}"
-        rows["data"] = ZERO_DESCRIPTIONS[o.zero_stage] + (
-            f"; HSDP {layout.data_replicate} replica groups x {layout.data_shard} shards" if layout.hsdp_enabled else ""
-        ) + (f"; offload {o.offload}: {OFFLOAD_DESCRIPTIONS[o.offload]}" if o.offload != "none" else "")
-        rows["precision"] = describe_precision(str(self.precision_plugin.precision), o, layout)
-        rows["activation checkpointing"] = describe_choice(o.activation_checkpointing)
-        rows.update(rank_map_rows(layout))
-        return rows
+        return layout_rows(self.options, layout, str(self.precision_plugin.precision))
 
     @property
     @override
@@ -387,21 +369,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="data x pipeline x tensor parallelism (lightning_parallel)"
             )
-
-
-def _context_size(options: ParallelOptions, world_size: int, names: dict[str, str]) -> int:
-    """The context size: explicit, or with ``"auto"`` what the (then explicit) other sizes leave of the world."""
-    if options.context_parallel_size != "auto":
-        return options.context_parallel_size
-    others = {"data_parallel": options.data_parallel_size, "pipeline_parallel": options.pipeline_parallel_size,
-              "tensor_parallel": options.tensor_parallel_size}
-    if "auto" in others.values() or world_size % (product := others["data_parallel"] * others["pipeline_parallel"]
-                                                  * others["tensor_parallel"]):
-        given = ", ".join(f"{names.get(k, k)}={v!r}" for k, v in others.items())
-        raise ValueError(f"{names.get('context_parallel', 'context_parallel')}='auto' takes what the other sizes leave "
-                         f"of {world_size} processes, but they are {given}: give them explicit sizes whose product "
-                         f"divides {world_size}, or give the context size.")
-    return world_size // product
 
 
 def _checked_load_optimizer_state(value: Any) -> bool:

@@ -50,6 +50,19 @@ CASES = [
      ["trainer.devices='auto'"], "e.g. trainer.devices=2"),
     ("nodes_without_launcher", "strategy=ddp trainer.devices=2 trainer.num_nodes=2",
      ["trainer.num_nodes=2"], "run under torchrun"),
+    # context parallelism: every refusal names the setting or method that works
+    ("context_cp3_on_4", "strategy=context trainer.devices=4 strategy.context_parallel_size=3",
+     ["strategy.context_parallel_size=3", "trainer.devices=4"], "Fix: strategy.context_parallel_size among 1, 2, 4"),
+    ("context_sequence_not_divisible", "strategy=context trainer.devices=4 strategy.context_parallel_size=4 "
+     "data.seq_len=20", ["data.seq_len=20", "strategy.context_parallel_size=4"], "use data.seq_len=16 or 24"),
+    ("context_ulysses_heads", "strategy=context trainer.devices=4 strategy.context_parallel_size=2 "
+     "strategy.tensor_parallel_size=2 strategy.data_parallel_size=1 strategy.context_parallel_method=ulysses "
+     "model.n_head=2", ["context_parallel_method='ulysses'", "context_parallel_size=2"],
+     "context_parallel_method='ring', which has no head constraint"),
+    ("context_unknown_method", "strategy=context trainer.devices=2 strategy.context_parallel_method=flash",
+     ["strategy.context_parallel_method='flash'"], "use 'ring' (any head count) or 'ulysses'"),
+    ("context_on_vit", "strategy=context trainer.devices=2 model=vit data=digits",
+     ["context_parallel_plan()"], "or set strategy.context_parallel_size=1"),
 ]
 ISSUE_CASES = ("hybrid_pp3_on_4", "tensor_tp3_on_2", "pipeline_pp8_on_2")
 

@@ -4,8 +4,9 @@ batches split along the sequence.
 A module offers ``context_parallel_plan()``: submodule globs mapped to one of :data:`CONTEXT_STYLES`,
 
 * ``"attention"`` -- a module whose ``forward(q, k, v)`` is scaled dot-product attention over
-  ``[batch, heads, seq, head_dim]`` tensors (its ``is_causal`` attribute, default True, and optional
-  ``scale``); it is replaced by :class:`ContextAttention`, which sees every rank's keys through the
+  ``[batch, heads, seq, head_dim]`` tensors (its ``is_causal`` attribute, default True, optional
+  ``scale``, and ``num_heads``, which lets the all-to-all method's head count be checked before the run
+  starts); it is replaced by :class:`ContextAttention`, which sees every rank's keys through the
   run's method (ring or all-to-all, :func:`~lightning_parallel.parallel.context.context_attention`);
 * ``"positions"`` -- a module whose ``forward(x)`` returns the positions ``0..seq-1`` of ``x``'s tokens
   (dimension 1); it is replaced by :class:`ContextPositions`, which returns the *global* positions of
@@ -175,6 +176,19 @@ def matching_plan(module: nn.Module, plan: Mapping[str, str], owner: str, whole:
                              "parallelism computes attention across ranks without dropout. Set the model's dropout "
                              "to 0.")
     return found
+
+
+def check_heads_of(module: nn.Module, found: Mapping[str, str], method: str, size: int, tensor_size: int) -> None:
+    """Under ``ulysses``, the heads each attention module holds per tensor rank must split over the context ranks
+    (checked where the module says its ``num_heads``; else the first forward raises)."""
+    if method != "ulysses":
+        return
+    from lightning_parallel.parallel.context import check_heads
+
+    for name, style in found.items():
+        heads = getattr(module.get_submodule(name), "num_heads", None)
+        if style == "attention" and isinstance(heads, int):
+            check_heads(heads, heads, size, tensor_size)
 
 
 def apply_context_plan(module: nn.Module, found: Mapping[str, str], context: ContextGroup) -> list[str]:

@@ -1,0 +1,36 @@
+"""The hybrid strategy's rows of the start-up table: what each axis of the layout does."""
+
+from __future__ import annotations
+
+from lightning_parallel.layout import ParallelLayout, rank_map_rows
+from lightning_parallel.parallel.activation_checkpoint import describe_choice
+from lightning_parallel.parallel.options import OFFLOAD_DESCRIPTIONS, ZERO_DESCRIPTIONS, ParallelOptions
+from lightning_parallel.parallel.precision import describe_precision
+
+
+def layout_rows(options: ParallelOptions, layout: ParallelLayout, precision: str) -> dict[str, str]:
+    """``{row: text}`` for the pipeline, context, tensor and data axes, precision, checkpointing and the rank map.
+
+    Args:
+        options: the strategy's options.
+        layout: the resolved layout.
+        precision: the Trainer's precision name.
+    """
+    o, rows = options, {}
+    if layout.pipeline_parallel_enabled:
+        rows["pipeline"] = (
+            f"schedule {o.schedule}, {o.microbatches} micro-batches, {o.num_stages(layout.pipeline_parallel)} "
+            f"stages ({o.stages_per_rank}/rank), partition {o.partition}"
+        )
+    if layout.context_parallel_enabled:
+        rows["context"] = (f"{layout.context_parallel} ranks split every sequence ({o.context_parallel_method}; "
+                           "head-tail chunks for causal balance)")
+    if layout.tensor_parallel_enabled:
+        rows["tensor"] = f"sequence_parallel={o.sequence_parallel}, loss_parallel={o.loss_parallel}"
+    rows["data"] = ZERO_DESCRIPTIONS[o.zero_stage] + (
+        f"; HSDP {layout.data_replicate} replica groups x {layout.data_shard} shards" if layout.hsdp_enabled else ""
+    ) + (f"; offload {o.offload}: {OFFLOAD_DESCRIPTIONS[o.offload]}" if o.offload != "none" else "")
+    rows["precision"] = describe_precision(precision, o, layout)
+    rows["activation checkpointing"] = describe_choice(o.activation_checkpointing)
+    rows.update(rank_map_rows(layout))
+    return rows
