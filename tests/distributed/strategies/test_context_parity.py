@@ -25,8 +25,11 @@ def _gpt(data_parallel=1, **options):
                 model_factory=tiny_gpt, dataset="text_padded", trainer_kwargs=CLIP)
 
 
-def test_two_context_ranks_match_one_process_with_each_method():
+def test_two_context_ranks_match_one_process_with_each_method_checkpointed_and_sharded():
     cases = {f"cp2/{m}": _gpt(context_parallel_size=2, context_parallel_method=m) for m in ("ring", "ulysses")}
+    # recomputation replays the context attention (and its communication) in backward
+    cases["cp2/ring/checkpointed"] = _gpt(context_parallel_size=2, activation_checkpointing="full")
+    cases["cp2/ulysses/zero3"] = _gpt(context_parallel_size=2, context_parallel_method="ulysses", zero_stage=3)
     per_rank = run_processes(fit_cases, 2, cases, timeout=600)
     worst = assert_parity(per_rank, reference_losses(cases))
     print("max |loss - one process|:", worst)
