@@ -18,6 +18,10 @@ strategy runs a training step:
   gradient: ``loss + (global_mean - loss).detach()``. So every rank logs, returns and shows
   the single-process number, with or without ``sync_dist``.
 
+Under context parallelism the group is data x context and each rank holds a share of every
+sequence: the count is then of the ``shift_labels`` the split batch carries (the whole
+sequence's targets, already shifted), not of the share's own shifted ``labels``.
+
 A call that already passes ``num_items_in_batch`` is left alone (the user normalises), and
 so is one without ``labels`` (the user computes the loss). One scalar all-reduce before and
 one after each forward of a training step is the cost.
@@ -42,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_parallel.adapters.hf import causal_lm_valid_count, find_hf_model
+from lightning_parallel.adapters.hf import IGNORE_INDEX, causal_lm_valid_count, find_hf_model
 
 SumOverRanks = Callable[[Tensor], Tensor]
 
@@ -64,6 +68,15 @@ def accepts_num_items(model: nn.Module) -> bool:
     """Whether ``model.forward`` takes ``num_items_in_batch`` (by name or through ``**kwargs``)."""
     params = inspect.signature(model.forward).parameters.values()
     return any(p.name == "num_items_in_batch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def valid_count(labels: Tensor, shift_labels: Optional[Tensor] = None) -> Tensor:
+    """Tokens carrying a loss in one forward: ``shift_labels`` not ``-100`` when given (transformers then takes
+    them as the targets, unshifted: context parallelism passes each rank's share of the whole sequence's shift),
+    else the shifted ``labels`` (:func:`~.hf.causal_lm_valid_count`)."""
+    if shift_labels is not None:
+        return (shift_labels != IGNORE_INDEX).sum()
+    return causal_lm_valid_count(labels)
 
 
 def group_sum(group: Optional[dist.ProcessGroup]) -> SumOverRanks:
@@ -119,7 +132,7 @@ class TokenWeightedLoss:
                 "the valid tokens of the global batch across data-parallel ranks. Compute the loss in training_step "
                 "from the logits (lightning_parallel.adapters.hf.causal_lm_loss_terms) instead of passing labels."
             )
-        count = self.sum_over_ranks(causal_lm_valid_count(labels).to(torch.float32))
+        count = self.sum_over_ranks(valid_count(labels, kwargs.get("shift_labels")).to(torch.float32))
         # fp32: N / dp need not be whole, and a float64 divisor would promote the fp32 loss.
         return args, {**kwargs, "num_items_in_batch": count / self.data_parallel_size}
 

@@ -10,6 +10,10 @@ way ``LlamaModel.forward`` does (transformers' own ``create_causal_mask`` /
 ``create_sliding_window_causal_mask`` and the model's ``rotary_emb``), so eager and sdpa
 attention stay causal and masks follow the micro-batch split.
 
+Under context parallelism each rank runs the schedule on its share of every sequence: the side inputs are
+then the split batch's global position ids and its mask descriptor (:mod:`.hf_context`), which the mask
+builders pass through unchanged to the run's attention function, and the targets are its ``shift_labels``.
+
 Note:
     Only the hidden states travel between stages. The batch's ``attention_mask`` (and
     ``position_ids`` when the batch has them) reach every stage as keyword side inputs that
@@ -32,6 +36,7 @@ BASE_ROLES = {"embed_tokens": "embed", "layers": "decoder", "norm": "norm"}
 HEAD_ROLES = {"lm_head": "head"}
 SIDE_INPUTS = ("attention_mask", "position_ids")
 MODEL_INPUT = "input_ids"
+TARGETS = ("labels", "shift_labels")  # targets, not inputs (shift_labels: under context parallelism)
 
 
 def _mask_builders() -> dict[str, Any]:
@@ -129,7 +134,7 @@ def split_hf_inputs(inputs: Any) -> tuple[tuple, dict]:
             f"A Hugging Face model's pipeline input must be a dict with {MODEL_INPUT!r} (got {type(inputs).__name__}"
             f"{' with keys ' + str(sorted(inputs)) if isinstance(inputs, Mapping) else ''})."
         )
-    extra = sorted(set(inputs) - {MODEL_INPUT, "labels", *SIDE_INPUTS})  # labels are targets, not inputs
+    extra = sorted(set(inputs) - {MODEL_INPUT, *TARGETS, *SIDE_INPUTS})
     if extra:
         raise ValueError(
             f"Batch keys {extra} are not understood by the pipeline (it passes {MODEL_INPUT!r} and {list(SIDE_INPUTS)} "

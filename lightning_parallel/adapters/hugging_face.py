@@ -19,6 +19,12 @@ from torch import nn
 
 from lightning_parallel import _compat
 from lightning_parallel.adapters.hf import causal_lm_loss_terms, causal_lm_valid_count, find_hf_model
+from lightning_parallel.adapters.hf_context import (
+    apply_hf_context,
+    check_hf_context,
+    shifted_loss_terms,
+    shifted_valid_count,
+)
 from lightning_parallel.adapters.hf_loss import ACCUMULATION_WARNING, TokenWeightedLoss, group_sum, is_causal_lm
 from lightning_parallel.adapters.hf_pipeline import HFStage, hf_pipeline_layers
 from lightning_parallel.adapters.hf_tensor import hf_head_dimensions, hf_tensor_plan, hf_untied_embeddings
@@ -28,6 +34,8 @@ from lightning_parallel.parallel.pipeline.runner import default_item_count
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+
+    from lightning_parallel.parallel.context.plan import ContextGroup, SequenceSplit
 
 SAMPLE_SHAPE = (2, 8)  # the chain check's synthetic batch: tiny, with one padded row
 
@@ -49,13 +57,22 @@ def _sample(model: nn.Module) -> Callable[[], tuple[Any, Any]]:
     return run
 
 
-def hf_plan(module: nn.Module, prefix: str, model: nn.Module) -> PipelinePlan:
+def _by_targets(shifted: Callable[[], bool], already: Callable, unshifted: Callable) -> Callable:
+    """``already`` while ``shifted()`` (targets are the whole sequence's ``shift_labels``), else ``unshifted``."""
+    return lambda *args: already(*args) if shifted() else unshifted(*args)
+
+
+def hf_plan(
+    module: nn.Module, prefix: str, model: nn.Module, shifted: Callable[[], bool] = lambda: False
+) -> PipelinePlan:
     """The pipeline plan of ``module`` holding the causal LM ``model`` at ``prefix`` (its own loss methods win).
 
     Args:
         module: the LightningModule.
         prefix: the model's attribute path in ``module`` (``""`` when it is the model).
         model: the ``transformers`` causal LM.
+        shifted: whether the targets are already shifted, asked at every step (context parallelism, applied after
+            the plan is made, passes each rank's share of the whole sequence's ``shift_labels``).
 
     Raises:
         ValueError: a model the pipeline cannot split (see :func:`~.hf_pipeline.check_hf_pipeline`).
@@ -67,8 +84,8 @@ def hf_plan(module: nn.Module, prefix: str, model: nn.Module) -> PipelinePlan:
         tuple(name for name, _, _ in named),
         tuple(layer for _, layer, _ in named),
         partial(HFStage, roles=roles, model=model),
-        own or causal_lm_loss_terms,
-        causal_lm_valid_count if own is None else default_item_count,
+        own or _by_targets(shifted, shifted_loss_terms, causal_lm_loss_terms),
+        _by_targets(shifted, shifted_valid_count, causal_lm_valid_count) if own is None else default_item_count,
         type(model).__name__,
         _sample(model),
         loss_terms=own is None or defines_loss_terms(module),
@@ -97,6 +114,8 @@ class HuggingFaceAdapter(ModelAdapter):
         super().__init__(module)
         self.prefix, self.model = prefix, model
         self.kind = type(model).__name__
+        # Set by apply_context_parallel: a pipeline's targets are then the split batch's shift_labels.
+        self.targets_shifted = False
 
     @classmethod
     def for_module(cls, module: nn.Module) -> Optional[HuggingFaceAdapter]:
@@ -117,12 +136,25 @@ class HuggingFaceAdapter(ModelAdapter):
     def pipeline_plan(self) -> PipelinePlan:
         if callable(getattr(self.module, "pipeline_layers", None)):
             return super().pipeline_plan()
-        return hf_plan(self.module, self.prefix, self.model)
+        return hf_plan(self.module, self.prefix, self.model, lambda: self.targets_shifted)
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
-        """A dict batch splits into ``(the dict without "labels", labels)``; else as the protocol says."""
+        """A dict batch splits into ``(the dict without "labels", labels)``; else as the protocol says.
+
+        Under context parallelism the targets are the batch's ``shift_labels`` (each rank's share of the whole
+        sequence's next tokens) and the plan's loss does not shift them again.
+        """
         if callable(getattr(self.module, "pipeline_split_batch", None)) or not isinstance(batch, Mapping):
             return super().split_batch(batch)
+        if self.targets_shifted and "shift_labels" in batch:
+            if own_loss(self.module) is not None:
+                raise ValueError(
+                    f"{type(self.module).__name__} defines its own pipeline loss, but under context parallelism a "
+                    "Hugging Face batch's targets are each rank's share of the whole sequence's shift_labels, already "
+                    "shifted: define pipeline_split_batch(batch) -> (inputs, targets) to choose them, or drop the "
+                    "loss method and let the model's causal-LM loss be used."
+                )
+            return {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, batch["shift_labels"]
         if "labels" not in batch:
             raise ValueError(
                 f"The batch holds {sorted(batch)} but no 'labels': a Hugging Face causal LM's pipeline needs the "
@@ -163,6 +195,22 @@ class HuggingFaceAdapter(ModelAdapter):
         being called must be a root itself, or its embedding would stay sharded.
         """
         return [self.model, self.module] if self.prefix else [self.module]
+
+    def check_context_parallel(self, method: str, size: int, tensor_size: int = 1) -> None:
+        """The module's ``context_parallel_plan()`` when it has one; else the model must let its attention be
+        replaced (:func:`~.hf_context.check_hf_context`)."""
+        if callable(getattr(self.module, "context_parallel_plan", None)):
+            return super().check_context_parallel(method, size, tensor_size)
+        check_hf_context(self.model, method, size, tensor_size)
+
+    def apply_context_parallel(self, model: nn.Module, context: ContextGroup) -> SequenceSplit:
+        """The module's plan when it has one; else the model attends across ``context`` through an attention
+        function of the run, and dict batches split with ``shift_labels`` and a mask descriptor
+        (:mod:`.hf_context`)."""
+        if callable(getattr(self.module, "context_parallel_plan", None)):
+            return super().apply_context_parallel(model, context)
+        self.targets_shifted = True
+        return apply_hf_context(self.model, context)
 
     def prepare_activation_checkpointing(self) -> None:
         # As Hugging Face's own gradient checkpointing does: a KV cache built during training would be

@@ -40,7 +40,8 @@ def startup_rows(
     rows = [
         ("strategy", strategy_name),
         ("world size", f"{layout.world_size} ({num_nodes} node(s) x {per_node} {accelerator} process(es))"),
-        ("layout", f"{layout.describe()}  (data x pipeline x tensor; only data multiplies the batch)"),
+        ("layout", f"{layout.describe()}  ({'data x context' if layout.context_parallel_enabled else 'data'} x "
+                   "pipeline x tensor; only data multiplies the batch)"),
     ]
     rows += scaling_rows(hparams, reference)
     rows += list((extra or {}).items())
