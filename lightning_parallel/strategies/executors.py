@@ -73,7 +73,9 @@ class DirectExecutor:
             return plain_loss(default())
 
     def evaluation_step(self, default: Default, batch: Any, name: str) -> Any:
-        with self._context():
+        # Weighted as in training: a validation loss over padded batches is the global token mean too (under
+        # context parallelism each rank would otherwise report the mean of its share of the sequence).
+        with self._context(), (self.weighting.training() if self.weighting is not None else nullcontext()):
             return plain_loss(default())
 
     def predict_step(self, default: Default, batch: Any) -> Any:

@@ -181,7 +181,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 "stage: keep save_distributed_checkpoint=True under pipeline parallelism "
                 "(the folder loads under any layout)."
             )
-        if not is_overridden("configure_model", self.lightning_module):  # else checked on meta in setup
+        already = self._parallelized_module is not None and self._parallelized_module() is self.lightning_module
+        # else checked on meta in setup; a module fit before (then validated) was checked and split already
+        if not already and not is_overridden("configure_model", self.lightning_module):
             check_module(self.lightning_module, self.layout, self.options, adapter=self.adapter)
         check_precision(self.precision_plugin.precision, self.options, self.layout)
         # Offloaded gradients live on the CPU: the clipping norm and checkpoint gathers need a CPU backend beside

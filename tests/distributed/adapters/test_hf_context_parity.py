@@ -74,6 +74,11 @@ class ContextLM(pl.LightningModule):
             batch = {**batch, "attention_mask": descriptor(None, rows, seq, self.device)}
         return self.model(**batch).loss
 
+    def validation_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
@@ -136,6 +141,8 @@ TWO_PROCESS = {
     "control/llama_packed/packed/cp2/ulysses": ("llama_packed", "packed", "context=2,method=ulysses", True),
 }
 FOUR_PROCESS = {
+    "llama/padded/cp4/ring": ("llama", "padded", "context=4,method=ring", False),
+    "qwen2/padded/cp4/ulysses": ("qwen2", "padded", "context=4,method=ulysses", False),
     "llama/padded/cp2xtp2/ulysses": ("llama", "padded", "context=2,tensor=2,method=ulysses", False),
     "qwen2/padded/dp2xcp2/ring": ("qwen2", "padded", "data=2,context=2,method=ring", False),
     "mistral/padded/cp2xtp2/ring": ("mistral", "padded", "context=2,tensor=2,method=ring", False),
@@ -150,8 +157,15 @@ def _fit(family: str, samples: str, layout: str, control: bool, world_size: int)
     strategy, data_parallel = _strategy(layout)
     trainer = quiet_trainer(world_size, strategy, STEPS, [history], **CLIP)
     data = FixedOrderData(SAMPLES_OF[samples](), batch_size=GLOBAL_BATCH // data_parallel)
-    trainer.fit(ContextLM(family, control=control), datamodule=data)
-    return {"reduced": history.losses, "local": history.local_losses}
+    model = ContextLM(family, control=control)
+    trainer.fit(model, datamodule=data)
+    out = {"reduced": history.losses, "local": history.local_losses}
+    if data_parallel == 1:  # every rank reads the same validation batches: the token mean of the whole of them
+        from torch.utils.data import DataLoader
+
+        val = DataLoader(SAMPLES_OF[samples]()[:2 * GLOBAL_BATCH], batch_size=GLOBAL_BATCH)
+        out["val"] = [float(trainer.validate(model, dataloaders=val, verbose=False)[0]["val_loss"])]
+    return out
 
 
 def _run(rank: int, world_size: int, cases: dict) -> dict[str, object]:
@@ -189,6 +203,12 @@ def _check_parity(references: dict, per_rank: list[dict], case: str) -> float:
         for value in ("reduced", "local"):  # the suite's mean, and the rank's own number
             diff = max_abs_difference(results[case][value], reference)
             assert diff < TOL, f"{case} rank {rank} {value}: max |diff| {diff:.2e}"
+            worst = max(worst, diff)
+    if "val" in per_rank[0][case]:  # validation losses too are the global token mean, on every rank
+        val_reference = references["/".join(case.removeprefix("control/").split("/")[:2])]["val"]
+        for rank, results in enumerate(per_rank):
+            diff = max_abs_difference(results[case]["val"], val_reference)
+            assert diff < TOL, f"{case} rank {rank} val_loss: max |diff| {diff:.2e}"
             worst = max(worst, diff)
     print(f"{case}: max |loss - one process| {worst:.2e}")
     return worst
