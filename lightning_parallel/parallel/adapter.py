@@ -213,6 +213,14 @@ class ModelAdapter:
         return dict(own())
 
     # Losses --------------------------------------------------------------------------------
+    def check_batch_split(self, splits: list[str]) -> None:
+        """Refuse, before start, a loss the layout would change: one that is not a mean over items, formed on
+        each part of a split batch (a router's load-balancing loss). The protocol's losses are token terms.
+
+        Args:
+            splits: how the layout splits each batch, as settings (``["data_parallel_size=2"]``); empty: whole.
+        """
+
     def loss_weighting(
         self, group: Optional[dist.ProcessGroup], data_parallel_size: int, accumulate_grad_batches: int = 1,
         warn: bool = True,

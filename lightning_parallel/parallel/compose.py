@@ -143,7 +143,15 @@ def check_module(
     check_activation_checkpointing(module, options.activation_checkpointing, adapter=adapter)
     if layout.context_parallel_enabled:
         adapter.check_context_parallel(options.context_parallel_method, layout.context_parallel, layout.tensor_parallel)
+    adapter.check_batch_split(batch_splits(layout))
     return check_tensor(module, layout, options, adapter=adapter)
+
+
+def batch_splits(layout: ParallelLayout) -> list[str]:
+    """How ``layout`` splits each global batch, as the settings that do it (for loss checks and messages)."""
+    sizes = [("data_parallel_size", layout.data_parallel), ("pipeline_parallel_size", layout.pipeline_parallel),
+             ("context_parallel_size", layout.context_parallel)]
+    return [f"{name}={size}" for name, size in sizes if size > 1]
 
 
 def check_activation_checkpointing(
@@ -318,6 +326,7 @@ def _check_whole(module: nn.Module, layout: ParallelLayout, options: ParallelOpt
     plan = check_tensor(module, layout, options, adapter=adapter)
     if layout.context_parallel_enabled:  # on the whole model: a pipeline rank's share may hold no attention
         adapter.check_context_parallel(options.context_parallel_method, layout.context_parallel, layout.tensor_parallel)
+    adapter.check_batch_split(batch_splits(layout))
     return pipe, plan
 
 

@@ -226,6 +226,8 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
         apply_precision(copy.deepcopy(self.config), self.precision_plugin.precision, self.device_type)
         if self.precision_plugin.precision == "bf16-mixed" and type(self.precision_plugin) is DeepSpeedPrecision:
             self.precision_plugin = _AutocastDeepSpeedPrecision("bf16-mixed")
+        if self.world_size > 1:  # every DeepSpeed rank is a data-parallel replica
+            resolved_adapter(self).check_batch_split([f"data parallel over {self.world_size} ranks"])
         check_activation_checkpointing(
             self.lightning_module, self.activation_checkpointing, adapter=resolved_adapter(self)
         )
@@ -238,6 +240,8 @@ class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
     def setup(self, trainer: Any) -> None:
         """Lightning's, layers checkpointed first (torch's checkpointing: DeepSpeed's needs Megatron's mpu)."""
         adapter = resolved_adapter(self, refresh=True)  # configure_model has run: resolve what it built
+        if self.world_size > 1:  # again: configure_model may have built the model only now
+            adapter.check_batch_split([f"data parallel over {self.world_size} ranks"])
         if not any(ac.is_checkpointed(m) for m in self.lightning_module.modules()):
             checkpoint_activations(self.lightning_module, self.activation_checkpointing, adapter=adapter)
         super().setup(trainer)
