@@ -156,6 +156,33 @@ def drop_loader_position(fit_state: dict[str, Any]) -> None:
 # --- torch -------------------------------------------------------------------------------
 
 
+def attention_implementation(model: nn.Module) -> Optional[str]:
+    """The attention implementation a transformers model runs (``"sdpa"``, ``"eager"``, a registered name).
+
+    Why private: transformers keeps it as ``config._attn_implementation`` and offers only a setter
+    (``set_attn_implementation``); context parallelism checks that the switch took.
+    """
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def can_set_attention_implementation(model: nn.Module) -> bool:
+    """Whether ``set_attn_implementation`` can swap a transformers model's attention (it calls attention through
+    ``AttentionInterface``). Why private: transformers' own test, ``_can_set_attn_implementation``, is private; a
+    model without it (older transformers) is taken at its word."""
+    check = getattr(type(model), "_can_set_attn_implementation", None)
+    return callable(getattr(model, "set_attn_implementation", None)) and (not callable(check) or bool(check()))
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``x [m, k] @ weight[g] [G, k, n]`` for the row groups ending at ``offsets`` (int32 cumulative counts).
+
+    Why private: ``torch._grouped_mm`` is torch's only grouped GEMM (CPU and CUDA in 2.13), the kernel
+    torchtitan's MoE uses; :mod:`lightning_parallel.parallel.experts.grouped` falls back to a loop where its
+    alignment rules are not met.
+    """
+    return torch._grouped_mm(x, weight, offs=offsets)
+
+
 def unflatten_mesh_dim(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """A view of ``mesh`` with dimension ``dim`` split into ``sizes`` named ``names`` (same ranks, same root).
 

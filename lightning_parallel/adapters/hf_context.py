@@ -44,6 +44,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_parallel import _compat
 from lightning_parallel.adapters.hf import IGNORE_INDEX
 from lightning_parallel.parallel.context.plan import ContextGroup, SequenceSplit
 
@@ -89,8 +90,7 @@ def check_hf_context(model: nn.Module, method: str, size: int, tensor_size: int 
     if getattr(config, "is_encoder_decoder", False) or not is_causal_lm(model):
         raise _refuse(cls, "is not a decoder-only causal LM (its loss is not transformers' ForCausalLMLoss)",
                       "Use a *ForCausalLM model")
-    can_set = getattr(type(model), "_can_set_attn_implementation", None)
-    if not callable(getattr(model, "set_attn_implementation", None)) or (callable(can_set) and not can_set()):
+    if not _compat.can_set_attention_implementation(model):
         raise _refuse(cls, "does not call its attention through transformers' AttentionInterface, so its attention "
                       "cannot be replaced", "Use a model family that does (Llama, Qwen2, Mistral, Gemma, ...)")
     if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
@@ -320,10 +320,11 @@ def apply_hf_context(model: nn.Module, context: ContextGroup) -> SequenceSplit:
     name = f"{NAME_PREFIX}_{context.method}_{id(attention):x}"
     AttentionInterface.register(name, attention)
     model.set_attn_implementation(name)
-    if model.config._attn_implementation != name:
+    if _compat.attention_implementation(model) != name:
         raise ValueError(
             f"transformers kept {type(model).__name__}'s attention implementation "
-            f"{model.config._attn_implementation!r}: context parallelism needs its own. Set context_parallel_size=1."
+            f"{_compat.attention_implementation(model)!r}: context parallelism needs its own. Set "
+            "context_parallel_size=1."
         )
     model.register_forward_pre_hook(require_split_batch, with_kwargs=True)
     return SequenceSplit(context, lambda batch: split_hf_batch(batch, context, model))

@@ -2,7 +2,11 @@
 
 ``lp-compare experiment=nlp_gpt compare.layouts='[single:1,pipeline:2,tensor:2,hybrid:4]' compare.steps=10``
 composes ``lp-train``'s config (``conf/``, the same overrides) once per layout -- each entry a
-``conf/strategy/`` name and a device count -- checks it with :func:`~lightning_parallel.cli.preflight.preflight`,
+``conf/strategy/`` name and a device count (``NAME:DEVICES``), or the sizes of a hybrid layout as
+:meth:`~lightning_parallel.layout.ParallelLayout.describe` spells them, without spaces
+(``dp2xcp2xpp1xtp1``, axes left out are 1: ``cp4``, ``dp2xcp2``), optionally with the context method
+(``cp4:ulysses``; ring by default) and run on their product of devices -- checks it with
+:func:`~lightning_parallel.cli.preflight.preflight`,
 and runs :func:`~lightning_parallel.testing.compare.compare_layouts` on it. Every layout trains on
 the same global batch (``compare.global_batch_size``; the per-rank ``data.batch_size`` is derived
 from each layout's data-parallel size) in the same order, with the configured lr and schedule as
@@ -13,8 +17,10 @@ no validation). It prints the per-step table and exits 1 when a layout is beyond
 
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
@@ -36,9 +42,68 @@ def parse_layout(entry: str) -> tuple[str, int]:
     name, sep, devices = str(entry).rpartition(":")
     if not sep or not name or not devices.strip().isdigit() or int(devices) < 1:
         raise ConfigError(
-            f"compare.layouts entry {entry!r} is not NAME:DEVICES (e.g. pipeline:2, a conf/strategy/ name)."
+            f"compare.layouts entry {entry!r} is not NAME:DEVICES (e.g. pipeline:2, a conf/strategy/ name) nor "
+            "sizes (e.g. dp2xcp2, cp4:ulysses: the hybrid strategy on their product of devices)."
         )
     return name.strip(), int(devices)
+
+
+_AXES = {"dp": "data_parallel_size", "cp": "context_parallel_size", "pp": "pipeline_parallel_size",
+         "tp": "tensor_parallel_size"}
+_SIZE = re.compile(r"(dp|cp|pp|tp)(\d+)")
+_METHODS = ("ring", "ulysses")
+
+
+@dataclass(frozen=True)
+class SizesEntry:
+    """A ``compare.layouts`` entry spelled by its sizes: the hybrid strategy (``conf/strategy/hybrid.yaml``) with them.
+
+    Args:
+        sizes: ``{"dp": 2, "cp": 2, "pp": 1, "tp": 1}`` (every axis).
+        method: the context-parallel method (None: the strategy file's, ring).
+    """
+
+    sizes: dict
+    method: Optional[str] = None
+
+    @property
+    def devices(self) -> int:
+        """Processes the layout runs on: the product of its sizes."""
+        return self.sizes["dp"] * self.sizes["cp"] * self.sizes["pp"] * self.sizes["tp"]
+
+    @property
+    def label(self) -> str:
+        """``dp1xcp2xpp1xtp1:ring`` (the method shown under context parallelism)."""
+        spelled = "x".join(f"{axis}{self.sizes[axis]}" for axis in _AXES)
+        return spelled + (f":{self.method or 'ring'}" if self.sizes["cp"] > 1 else "")
+
+    def overrides(self) -> list[str]:
+        """The ``strategy.*`` overrides of ``strategy=hybrid`` that run these sizes (ZeRO and the rest from the file
+        and the command line's ``strategy.*``)."""
+        out = [f"strategy.{_AXES[axis]}={size}" for axis, size in self.sizes.items()]
+        return out + ([f"strategy.context_parallel_method={self.method}"] if self.method else [])
+
+
+def parse_sizes(entry: str) -> Optional[SizesEntry]:
+    """``"dp2xcp2"`` / ``"cp4:ulysses"`` -> a :class:`SizesEntry`; None when ``entry`` is not spelled by sizes.
+
+    Raises:
+        ConfigError: sizes spelled wrongly (an axis twice, a size below 1, an unknown method).
+    """
+    spelled, sep, method = str(entry).strip().partition(":")
+    parts = spelled.split("x")
+    if not all(_SIZE.fullmatch(part) for part in parts):
+        return None
+    axes = [_SIZE.fullmatch(part).groups() for part in parts]
+    names = [axis for axis, _ in axes]
+    if len(set(names)) < len(names) or any(int(size) < 1 for _, size in axes):
+        raise ConfigError(f"compare.layouts entry {entry!r}: give each of dp, cp, pp, tp at most once, each >= 1 "
+                          "(e.g. dp2xcp2xpp1xtp1, or cp4).")
+    if sep and method.strip() not in _METHODS:
+        raise ConfigError(f"compare.layouts entry {entry!r}: the context method after ':' is one of {_METHODS} "
+                          "(e.g. cp2:ulysses).")
+    sizes = {axis: 1 for axis in _AXES} | {axis: int(size) for axis, size in axes}
+    return SizesEntry(sizes, method.strip() if sep else None)
 
 
 @dataclass(frozen=True)
@@ -73,15 +138,17 @@ def _user_overrides() -> list[str]:
     return [o for o in HydraConfig.get().overrides.task if not o.lstrip("+~").startswith(skip)] + _STRATEGY_OVERRIDES
 
 
-def compose_layout(name: str, devices: int, overrides: list[str], output_dir: str) -> DictConfig:
+def compose_layout(name: str, devices: int, overrides: list[str], output_dir: str,
+                   layout_overrides: Sequence[str] = ()) -> DictConfig:
     """The config ``lp-train`` would run for ``strategy=name trainer.devices=devices`` plus the user's overrides.
 
-    ``strategy.*`` overrides apply only where the strategy is an object (not ``single``'s ``auto``).
+    ``strategy.*`` overrides apply only where the strategy is an object (not ``single``'s ``auto``);
+    ``layout_overrides`` (a sizes entry's ``strategy.*``) come last and win.
     """
     from hydra import compose
 
     base = [o for o in overrides if not o.lstrip("+~").startswith("strategy.")]
-    fixed = [f"strategy={name}", f"trainer.devices={devices}", f"paths.output_dir={output_dir}"]
+    fixed = [f"strategy={name}", f"trainer.devices={devices}", f"paths.output_dir={output_dir}", *layout_overrides]
     try:
         cfg = compose("config", overrides=[*base, *fixed])
         if not isinstance(cfg.strategy, str) and len(base) < len(overrides):
@@ -107,14 +174,19 @@ def build_layouts(cfg: DictConfig, output_dir: str) -> tuple[list[Any], DictConf
 
     overrides, layouts, reference = _user_overrides(), [], None
     for entry in cfg.compare.layouts:
-        name, devices = parse_layout(entry)
-        layout_cfg = compose_layout(name, devices, overrides, output_dir)
+        sizes = parse_sizes(entry)
+        if sizes is None:
+            name, devices = parse_layout(entry)
+            extra, label = [], f"{name}:{devices}"
+        else:
+            name, devices, extra, label = "hybrid", sizes.devices, sizes.overrides(), sizes.label
+        layout_cfg = compose_layout(name, devices, overrides, output_dir, extra)
         strategy, parallel_layout = preflight(layout_cfg)
         if reference is None:
             reference = (layout_cfg, parallel_layout)
         config = strategy if isinstance(strategy, str) else OmegaConf.to_container(layout_cfg.strategy, resolve=True)
         factory = config if isinstance(config, str) else partial(_instantiate, config)
-        layouts.append(Layout(factory, devices, name=f"{name}:{devices}"))
+        layouts.append(Layout(factory, devices, name=label))
     return layouts, reference
 
 

@@ -4,6 +4,8 @@
     lp-plan experiment=nlp_gpt trainer.devices=4 --measure 3        # and run the top 3 for a few steps
     lp-plan --shape llama3-8b --cluster h100_cluster --devices 64 \\
         scaling=fixed_global_batch scaling.reference.global_batch_size=512 data.batch_size=1
+    lp-plan --shape llama3-8b --seq-len 131072 --cluster h100_node --devices 8 \\
+        scaling=fixed_global_batch scaling.reference.global_batch_size=1 data.batch_size=1   # context parallel wins
 
 Arguments that are not options are Hydra overrides, as for ``lp-train``. The last line printed
 is the winning overrides, to paste after ``lp-train``.

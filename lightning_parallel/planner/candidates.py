@@ -1,9 +1,15 @@
-"""Every layout of a world: data x pipeline x tensor sizes, ZeRO stage, schedule, micro-batches, checkpointing.
+"""Every layout of a world: data x context x pipeline x tensor sizes, context method, ZeRO stage, schedule,
+micro-batches, checkpointing.
 
 :func:`enumerate_layouts` returns the candidates that can run and, for every other one, a
 :class:`Rejected` with the reason, in the words of the check that would refuse it at start-up
 (the suite's own checks are called where they exist: schedule rules, micro-batch splits,
-scaling of the batch).
+scaling of the batch, the sequence's split into ``2 x cp`` chunks, Ulysses' head split).
+
+A context size is tried for every divisor of the world, only for a model with attention
+(``shape.attention``) whose sequence cuts into ``2 x cp`` chunks; each context size > 1 with every
+method of the search space (ring, and Ulysses where the heads split). Context ranks share their data
+replica's samples, so the scaling rule sees the data size alone.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from typing import Optional
 
 from lightning_parallel.layout import factorizations
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, check_microbatches, validate_schedule
+from lightning_parallel.planner.context import method_reason, size_reason
 from lightning_parallel.planner.shapes import ModelShape
 from lightning_parallel.scaling import Reference, rescale
 
@@ -53,6 +60,8 @@ class SearchSpace:
             power of two dividing the per-rank share of the global batch).
         checkpointing: activation checkpointing modes (only those the strategies offer).
         max_accumulation: under ``fixed_global_batch``, the most batches per optimizer step (None: any).
+        context_sizes: context-parallel sizes to try (None: every divisor of the world; ``(1,)``: none).
+        context_methods: context-parallel methods (``ring``, ``ulysses``).
     """
 
     zero_stages: tuple[int, ...] = (0, 2, 3)
@@ -62,6 +71,8 @@ class SearchSpace:
     batch_sizes: Optional[tuple[int, ...]] = None
     checkpointing: tuple[str, ...] = ("none",)
     max_accumulation: Optional[int] = None
+    context_sizes: Optional[tuple[int, ...]] = None
+    context_methods: tuple[str, ...] = ("ring", "ulysses")
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,8 @@ class Candidate:
         accumulate: batches per optimizer step.
         global_batch: samples per optimizer step.
         checkpointing: activation checkpointing mode.
+        cp: context-parallel size (ranks splitting each sequence of a data replica).
+        cp_method: ``ring`` or ``ulysses`` (``-`` without context parallelism).
     """
 
     engine: str
@@ -93,12 +106,26 @@ class Candidate:
     accumulate: int
     global_batch: int
     checkpointing: str = "none"
+    cp: int = 1
+    cp_method: str = "-"
+
+    @property
+    def world(self) -> int:
+        """Processes the layout runs on."""
+        return self.dp * self.cp * self.pp * self.tp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters (data x context): gradients reduce, and FSDP2 shards, over them."""
+        return self.dp * self.cp
 
     @property
     def name(self) -> str:
-        """Short label: ``dp2xpp2 zero2 1f1b m4``."""
-        sizes = "x".join(f"{a}{n}" for a, n in (("dp", self.dp), ("pp", self.pp), ("tp", self.tp)) if n > 1) or "dp1"
-        parts = [sizes, f"ds{self.zero}" if self.engine == "deepspeed" else (f"zero{self.zero}" if self.zero else "")]
+        """Short label: ``dp2xpp2 zero2 1f1b m4``, ``dp2xcp2 ring b4``."""
+        axes = (("dp", self.dp), ("cp", self.cp), ("pp", self.pp), ("tp", self.tp))
+        sizes = "x".join(f"{a}{n}" for a, n in axes if n > 1) or "dp1"
+        parts = [sizes, self.cp_method if self.cp > 1 else "",
+                 f"ds{self.zero}" if self.engine == "deepspeed" else (f"zero{self.zero}" if self.zero else "")]
         if self.pp > 1:
             parts += [self.schedule + (f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""),
                       f"m{self.microbatches}"]
@@ -155,11 +182,46 @@ def _pipeline_settings(space: SearchSpace, pp: int, batch: int) -> tuple[list[tu
     return sorted(set(settings)), reasons
 
 
-def _engines(space: SearchSpace, dp: int, pp: int, tp: int) -> list[tuple[str, int]]:
-    engines = [("hybrid", z) for z in space.zero_stages if z == 0 or dp > 1]
-    if pp == tp == 1 and dp > 1:
+def _engines(space: SearchSpace, dp: int, cp: int, pp: int, tp: int) -> list[tuple[str, int]]:
+    """(engine, ZeRO stage) pairs: the hybrid strategy's stages where data x context has replicas to shard over,
+    DeepSpeed's on data parallelism alone."""
+    engines = [("hybrid", z) for z in space.zero_stages if z == 0 or dp * cp > 1]
+    if pp == tp == cp == 1 and dp > 1:
         engines += [("deepspeed", s) for s in space.deepspeed_stages]
     return engines
+
+
+def _context_options(shape: ModelShape, world: int, space: SearchSpace) -> tuple[list[int], list[Rejected]]:
+    """The context sizes to enumerate, and a refusal for each divisor of the world that cannot split the model."""
+    wanted = [n for n in range(1, world + 1) if world % n == 0]
+    if space.context_sizes is not None:
+        wanted = [n for n in wanted if n in space.context_sizes]
+    sizes, rejected = [], []
+    for cp in wanted:
+        reason = size_reason(shape, cp) if cp > 1 else None
+        if reason is None:
+            sizes.append(cp)
+        elif shape.attention is None:  # one row says it for every size
+            rejected.append(Rejected("context_parallel_size>1", reason))
+            break
+        else:
+            rejected.append(Rejected(f"cp{cp}", reason))
+    return sizes, rejected
+
+
+def _context_methods(shape: ModelShape, space: SearchSpace, cp: int, tp: int,
+                     label: str) -> tuple[list[str], list[Rejected]]:
+    """The methods that run ``cp`` context ranks under ``tp`` tensor ranks (``-`` without context), and refusals."""
+    if cp == 1:
+        return ["-"], []
+    methods, rejected = [], []
+    for method in space.context_methods:
+        reason = method_reason(shape.attention, method, cp, tp)
+        if reason is None:
+            methods.append(method)
+        else:
+            rejected.append(Rejected(f"{label} {method}", reason))
+    return methods, rejected
 
 
 def enumerate_layouts(shape: ModelShape, world: int, work: Workload,
@@ -173,34 +235,48 @@ def enumerate_layouts(shape: ModelShape, world: int, work: Workload,
         space: the settings to try besides the sizes.
     """
     candidates, rejected = [], []
-    layers = len(shape.layers)
     checkpointing = space.checkpointing
     if "selective" in checkpointing and any(layer.selective_saved is None for layer in shape.layers):
         checkpointing = tuple(ac for ac in checkpointing if ac != "selective")
         rejected.append(Rejected("activation_checkpointing=selective", "not modelled: what selective checkpointing "
                                  f"keeps of {shape.name}'s measured layers is not known; none and full are planned"))
-    for dp, pp, tp in factorizations(world):
-        label = f"dp{dp}xpp{pp}xtp{tp}"
-        reason = _tp_reasons(shape, tp) if tp > 1 else None
-        if reason is None and pp > layers:
-            reason = f"too few layers: {layers} pipeline layers cannot fill {pp} stages"
-        if reason:
-            rejected.append(Rejected(label, reason))
+    sizes, rejected_sizes = _context_options(shape, world, space)
+    rejected += rejected_sizes
+    for cp in sizes:
+        for dp, pp, tp in factorizations(world // cp):
+            found, refused = _layouts(shape, work, space, checkpointing, dp, cp, pp, tp)
+            candidates += found
+            rejected += refused
+    return candidates, rejected
+
+
+def _layouts(shape: ModelShape, work: Workload, space: SearchSpace, checkpointing: tuple[str, ...], dp: int, cp: int,
+             pp: int, tp: int) -> tuple[list[Candidate], list[Rejected]]:
+    """The candidates of one size quadruple, and the refusals met on the way."""
+    candidates, rejected = [], []
+    layers = len(shape.layers)
+    label = f"dp{dp}xcp{cp}xpp{pp}xtp{tp}" if cp > 1 else f"dp{dp}xpp{pp}xtp{tp}"
+    reason = _tp_reasons(shape, tp) if tp > 1 else None
+    if reason is None and pp > layers:
+        reason = f"too few layers: {layers} pipeline layers cannot fill {pp} stages"
+    if reason:
+        return [], [Rejected(label, reason)]
+    methods, rejected = _context_methods(shape, space, cp, tp, label)
+    for batch in _batch_sizes(space, work, dp):
+        try:
+            eff = rescale(work.rule, work.reference, dp, batch, work.accumulate, work.lr, work.warmup_steps)
+        except ValueError as error:
+            rejected.append(Rejected(f"{label} b{batch}", f"batch does not divide: {error}"))
             continue
-        for batch in _batch_sizes(space, work, dp):
-            try:
-                eff = rescale(work.rule, work.reference, dp, batch, work.accumulate, work.lr, work.warmup_steps)
-            except ValueError as error:
-                rejected.append(Rejected(f"{label} b{batch}", f"batch does not divide: {error}"))
+        settings, reasons = _pipeline_settings(space, pp, batch)
+        rejected += [Rejected(f"{label} b{batch} {r.split('|')[0]}", r.split("|", 1)[1]) for r in reasons]
+        for (schedule, v, m) in settings:
+            if pp * v > layers:
+                rejected.append(Rejected(f"{label} {schedule}", f"too few layers: {layers} for {pp * v} stages"))
                 continue
-            settings, reasons = _pipeline_settings(space, pp, batch)
-            rejected += [Rejected(f"{label} b{batch} {r.split('|')[0]}", r.split("|", 1)[1]) for r in reasons]
-            for (schedule, v, m) in settings:
-                if pp * v > layers:
-                    rejected.append(Rejected(f"{label} {schedule}", f"too few layers: {layers} for {pp * v} stages"))
-                    continue
-                for engine, zero in _engines(space, dp, pp, tp):
-                    base = Candidate(engine, dp, pp, tp, zero, schedule, v, m, eff.micro_batch_size,
-                                     eff.accumulate_grad_batches, eff.global_batch_size)
-                    candidates += [replace(base, checkpointing=ac) for ac in checkpointing]
+            for engine, zero in _engines(space, dp, cp, pp, tp):
+                base = Candidate(engine, dp, pp, tp, zero, schedule, v, m, eff.micro_batch_size,
+                                 eff.accumulate_grad_batches, eff.global_batch_size, cp=cp)
+                candidates += [replace(base, checkpointing=ac, cp_method=method)
+                               for method in methods for ac in checkpointing]
     return candidates, rejected

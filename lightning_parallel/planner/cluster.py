@@ -22,11 +22,19 @@ class Link:
         bandwidth: payload bytes per second of all-reduce and send/recv.
         gather_bandwidth: payload bytes per second of all-gather and reduce-scatter.
         latency: seconds per collective step (the alpha of an alpha-beta model).
+        a2a_bandwidth: payload bytes per second of all-to-all (None: ``gather_bandwidth``, the same volume per
+            link as an all-gather).
     """
 
     bandwidth: float
     gather_bandwidth: float
     latency: float
+    a2a_bandwidth: Optional[float] = None
+
+    @property
+    def all_to_all_bandwidth(self) -> float:
+        """Payload bytes per second of all-to-all (context parallelism's Ulysses method)."""
+        return self.a2a_bandwidth or self.gather_bandwidth
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,7 @@ class Cluster:
         """
         link = self.intra_node if group_span <= self.devices_per_node else self.inter_node
         if self.compute_units and self.oversubscribed_latency and world_size > self.compute_units:
-            return Link(link.bandwidth, link.gather_bandwidth, self.oversubscribed_latency)
+            return Link(link.bandwidth, link.gather_bandwidth, self.oversubscribed_latency, link.a2a_bandwidth)
         return link
 
     def compute_slowdown(self, world_size: int) -> float:
@@ -98,7 +106,8 @@ class Cluster:
 def _link(values: Mapping[str, Any]) -> Link:
     bandwidth = float(values["bandwidth_gbs"]) * _GB
     gather = float(values.get("gather_bandwidth_gbs") or values["bandwidth_gbs"]) * _GB
-    return Link(bandwidth, gather, float(values["latency_us"]) * 1e-6)
+    a2a = values.get("all_to_all_bandwidth_gbs")
+    return Link(bandwidth, gather, float(values["latency_us"]) * 1e-6, float(a2a) * _GB if a2a else None)
 
 
 def cluster_from_dict(values: Mapping[str, Any]) -> Cluster:
@@ -106,7 +115,8 @@ def cluster_from_dict(values: Mapping[str, Any]) -> Cluster:
 
     Args:
         values: ``name``, ``devices_per_node``, ``memory_per_device_gb``, ``compute``, ``intra_node`` and
-            ``inter_node`` (``bandwidth_gbs``, ``gather_bandwidth_gbs``, ``latency_us``), and optionally
+            ``inter_node`` (``bandwidth_gbs``, ``gather_bandwidth_gbs``, ``latency_us``, optionally
+            ``all_to_all_bandwidth_gbs``), and optionally
             ``peak_tflops``, ``efficiency``, ``compute_units``, ``memory_bandwidth_gbs``.
     """
     missing = [k for k in ("name", "devices_per_node", "memory_per_device_gb", "compute", "intra_node", "inter_node")

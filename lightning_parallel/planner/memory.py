@@ -7,8 +7,11 @@ against real runs of the hybrid strategy:
   strategy uses (:func:`lightning_parallel.parallel.pipeline.partition.balanced_partition` over the
   layers' parameter counts) and placed by the schedule's stage-to-rank mapping;
 * tensor parallelism divides the dimension the plan shards;
+* context parallelism divides the activations: a context rank holds ``1 / cp`` of every sequence's
+  tokens and saves only their activations (its parameters are replicated over the context group);
 * FSDP2 (``zero_stage`` 2 and 3) cuts each parameter's first dimension (as left by tensor
-  parallelism) into ``dp`` chunks (``torch.chunk``: the first rank holds the rounded-up chunk);
+  parallelism) into ``dp x cp`` chunks (``torch.chunk``: the first rank holds the rounded-up chunk), the
+  ranks holding the same parameters;
   gradients are sharded like parameters and AdamW holds two states per local element;
 * DeepSpeed shards the flat optimizer state (stage 1), also gradients (2), also parameters (3)
   in ``dp`` equal parts.
@@ -94,29 +97,36 @@ def state_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> tuple[flo
             b * _flat_share(total, c, 2),
             shape.optimizer_states * b * _flat_share(total, c, 1),
         )
-    fsdp = c.dp if c.zero in (2, 3) else 1
+    fsdp = c.replicas if c.zero in (2, 3) else 1
     counts = shape.local_counts(c.tp, fsdp)
     local = sum(counts[i][1] for i in layers)
     return b * local, b * local, shape.optimizer_states * b * local
 
 
 def activation_bytes(shape: ModelShape, c: Candidate, layer: int, samples: int) -> float:
-    """Bytes ``layer`` keeps for backward for ``samples`` samples, under the candidate's tensor size
-    and checkpointing."""
+    """Bytes ``layer`` keeps for backward for ``samples`` samples, under the candidate's tensor and context sizes
+    and checkpointing.
+
+    Note:
+        Everything a layer saves is per token (the attention the shapes describe keeps no ``S x S`` scores:
+        flash / SDPA kernels, ring attention's log-sum-exp, Ulysses' local kernel over ``1 / cp`` of the heads),
+        so a context rank saves ``1 / cp`` of it. The blocks in flight inside ring attention (a received key/value
+        block and, in backward, the dK/dV accumulators) are transient and not modelled.
+    """
     s = shape.layers[layer]
     if c.checkpointing == "full":
-        return s.output_bytes * samples  # the layer's input is kept; its inside is recomputed
+        return s.output_bytes * samples / c.cp  # the layer's input is kept; its inside is recomputed
     kept = s.activation_sharded / c.tp + s.activation_replicated
     if c.checkpointing == "selective":
         kept *= s.selective_saved if s.selective_saved is not None else 1.0
-    return kept * samples
+    return kept * samples / c.cp
 
 
 def working_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> float:
     """Parameters gathered while computing: FSDP2 keeps the rank's layers unsharded from forward to backward
     (ZeRO-2, and replicated data parallelism, which runs on FSDP2 with shard groups of one rank: a second copy
     of the parameters); ZeRO-3 (FSDP2 or DeepSpeed) gathers a layer and prefetches the next."""
-    fsdp = c.dp > 1 and c.engine == "hybrid"
+    fsdp = c.replicas > 1 and c.engine == "hybrid"
     if not (fsdp or (c.engine == "deepspeed" and c.zero == 3 and c.dp > 1)):
         return 0.0
     counts = shape.local_counts(c.tp, 1)
@@ -131,7 +141,7 @@ def setup_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> float:
     Built with storage (``shape.built_on_meta=False``): the whole model, on every rank, before the split
     (the strategy moves it to the device, then cuts and shards it). Built on ``meta``: the rank's share
     (its parameters at rest) plus, where the share is a DTensor (tensor parallelism, or FSDP2 on the data
-    axis, ZeRO 2/3 or replicated over several data ranks; DeepSpeed ZeRO-3), one parameter at full size:
+    axis, ZeRO 2/3 or replicated over several data or context ranks; DeepSpeed ZeRO-3), one parameter at full size:
     :mod:`lightning_parallel.parallel.materialize` initialises one module at a time at full size on the CPU
     and ``distribute_tensor`` copies one of its tensors to the device at full size before slicing it
     (modelled as the largest tensor of the rank's layers). A plain tensor is copied into place directly.
@@ -148,6 +158,6 @@ def setup_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> float:
     if c.engine == "deepspeed":
         distributed = c.zero == 3 and c.dp > 1
     else:
-        distributed = c.tp > 1 or c.zero in (2, 3) or c.dp > 1
+        distributed = c.tp > 1 or c.zero in (2, 3) or c.replicas > 1
     largest = max((p.numel for i in layers for p in shape.layers[i].params), default=0)
     return share + (shape.param_bytes * largest if distributed else 0.0)

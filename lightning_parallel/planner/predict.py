@@ -1,9 +1,13 @@
 """Predicted step time and memory of one candidate layout.
 
 Step time = accumulation x (pipeline step of one batch, simulated from the schedule's action
-lists, with tensor-parallel collectives inside each layer) + the data axis's collectives + the
-optimizer step. Collectives use an alpha-beta ring model over the link the group spans
-(ranks are placed tensor-innermost, then pipeline, then data: :mod:`lightning_parallel.layout`):
+lists, with tensor-parallel and context-parallel collectives inside each layer) + the data axis's
+collectives + the optimizer step. A context rank computes ``1 / cp`` of every sequence's tokens
+(head-tail chunks balance the causal attention) and its attention modules send what
+:mod:`lightning_parallel.planner.context` counts. Collectives use an alpha-beta ring model over the
+link the group spans (ranks are placed tensor-innermost, then pipeline, then context, then data:
+:mod:`lightning_parallel.layout`); the data axis's collectives run over data x context (the ranks
+holding the same parameters):
 
 * all-reduce of ``B`` bytes over ``n`` ranks: ``2(n-1) (alpha + B / (n beta))``;
 * all-gather / reduce-scatter of ``B`` (the whole tensor): ``(n-1) (alpha + B / (n beta_gather))``.
@@ -16,6 +20,7 @@ from functools import lru_cache
 
 from lightning_parallel.planner.candidates import Candidate
 from lightning_parallel.planner.cluster import Cluster, Link
+from lightning_parallel.planner.context import Traffic, traffic
 from lightning_parallel.planner.memory import (
     Memory,
     activation_bytes,
@@ -40,7 +45,10 @@ class Prediction:
         step_time: seconds per optimizer step.
         compute: compute seconds per step on the busiest rank (checkpointing recomputation included).
         bubble: idle share of the pipeline step (0 without pipeline).
-        comm: seconds of collectives per step that do not overlap compute.
+        comm: seconds of collectives per step that do not overlap compute (the data axis's).
+        context_bytes: bytes the busiest rank sends per optimizer step in context-parallel collectives
+            (ring send/recv or all-to-all; 0 without context parallelism).
+        context_comm: seconds of those collectives per step (inside ``step_time``, on the busiest rank).
     """
 
     candidate: Candidate
@@ -49,6 +57,8 @@ class Prediction:
     compute: float
     bubble: float
     comm: float
+    context_bytes: float = 0.0
+    context_comm: float = 0.0
 
     @property
     def throughput(self) -> float:
@@ -64,12 +74,25 @@ def gather(link: Link, n: int, nbytes: float) -> float:
     return 0.0 if n == 1 else (n - 1) * (link.latency + nbytes / (n * link.gather_bandwidth))
 
 
+def context_traffic(shape: ModelShape, cluster: Cluster, c: Candidate, micro: int) -> Traffic:
+    """One attention module's context collectives on one micro-batch of ``micro`` samples (zeros without)."""
+    if c.cp == 1 or shape.attention is None:
+        return Traffic(0.0, 0.0, 0.0, 0.0)
+    link = cluster.link(c.cp * c.pp * c.tp, c.world)
+    return traffic(shape.attention, c.cp_method, c.cp, c.tp, micro, link)
+
+
+def _recomputes(c: Candidate) -> bool:
+    """Whether the forward runs again in backward (its context messages too)."""
+    return c.checkpointing in ("full", "selective")
+
+
 def layer_seconds(
     shape: ModelShape, cluster: Cluster, c: Candidate, micro: int, world: int
 ) -> list[tuple[float, float]]:
     """(forward, backward) seconds of each layer on one micro-batch of ``micro`` samples.
 
-    Tensor collectives included.
+    Tensor and context collectives included; a context rank computes ``1 / cp`` of the tokens.
     """
     if cluster.compute == "measured":
         if shape.measured_seconds is None:
@@ -79,10 +102,11 @@ def layer_seconds(
     else:
         totals = [3 * layer.fwd_flops * micro / (cluster.peak_flops * cluster.efficiency) for layer in shape.layers]
     link = cluster.link(c.tp, world)
+    context = context_traffic(shape, cluster, c, micro)
     out = []
     for layer, total in zip(shape.layers, totals):
         sharded = any(p.tp_dim is not None for p in layer.params)
-        fwd, bwd = total / 3, 2 * total / 3
+        fwd, bwd = total / (3 * c.cp), 2 * total / (3 * c.cp)
         if sharded and c.tp > 1:
             fwd, bwd = fwd / c.tp, bwd / c.tp
         recompute = (fwd if c.checkpointing == "full"
@@ -91,18 +115,36 @@ def layer_seconds(
         if sharded and c.tp > 1:
             # The volume once each way; every further call its latency.
             calls = max(0, layer.tp_collectives - 2)
-            tp_comm = (all_reduce(link, c.tp, layer.tp_all_reduce_bytes * micro)
+            tp_comm = (all_reduce(link, c.tp, layer.tp_all_reduce_bytes * micro / c.cp)
                        + calls * 2 * (c.tp - 1) * link.latency / 2)
-        out.append((fwd + tp_comm, bwd + recompute + tp_comm))
+        n = layer.attention_modules
+        cp_fwd = n * context.forward_seconds
+        cp_bwd = n * (context.backward_seconds + (context.forward_seconds if _recomputes(c) else 0.0))
+        out.append((fwd + tp_comm + cp_fwd, bwd + recompute + tp_comm + cp_bwd))
     return out
+
+
+def context_bytes_per_step(
+    shape: ModelShape, cluster: Cluster, c: Candidate, layers: list[int]
+) -> tuple[float, float]:
+    """(bytes, seconds) of context collectives one rank holding ``layers`` sends per optimizer step."""
+    micro = c.batch_size // c.microbatches
+    context = context_traffic(shape, cluster, c, micro)
+    modules = sum(shape.layers[i].attention_modules for i in layers)
+    passes = 2 if _recomputes(c) else 1
+    per_micro_bytes = modules * (passes * context.forward_bytes + context.backward_bytes)
+    per_micro_seconds = modules * (passes * context.forward_seconds + context.backward_seconds)
+    micros = c.microbatches * c.accumulate
+    return per_micro_bytes * micros, per_micro_seconds * micros
 
 
 def _data_axis_seconds(
     c: Candidate, cluster: Cluster, local_bytes: float, full_bytes: float, units: int
 ) -> tuple[float, float]:
     """(per batch, per optimizer step) seconds of the data axis's collectives for one rank's parameters."""
-    link = cluster.link(c.dp * c.pp * c.tp, c.dp * c.pp * c.tp)
-    if c.dp == 1:
+    link = cluster.link(c.world, c.world)
+    n = c.replicas  # data x context: the ranks holding the same parameters
+    if n == 1:
         return 0.0, 0.0
     if c.engine == "deepspeed":
         per_batch = gather(link, c.dp, full_bytes) * (2 if c.zero == 3 else 0)
@@ -110,19 +152,19 @@ def _data_axis_seconds(
         return per_batch, sync
     if c.zero == 0:
         buckets = max(1, int(-(-local_bytes // _BUCKET)))
-        return 0.0, all_reduce(link, c.dp, local_bytes) + 2 * (c.dp - 1) * link.latency * (buckets - 1)
-    per_unit = (c.dp - 1) * link.latency * units  # one gather and one reduce-scatter per FSDP unit (layer)
+        return 0.0, all_reduce(link, n, local_bytes) + 2 * (n - 1) * link.latency * (buckets - 1)
+    per_unit = (n - 1) * link.latency * units  # one gather and one reduce-scatter per FSDP unit (layer)
     gathers = 2 if c.zero == 3 else 1
-    per_batch = gathers * (gather(link, c.dp, full_bytes) + per_unit) + gather(link, c.dp, full_bytes) + per_unit
+    per_batch = gathers * (gather(link, n, full_bytes) + per_unit) + gather(link, n, full_bytes) + per_unit
     return per_batch, 0.0
 
 
 def _dtensor_params(shape: ModelShape, c: Candidate, layers: list[int]) -> int:
     """DTensor parameter dispatches per step on the rank: every parameter once (optimizer, hooks) under FSDP2 (the
-    hybrid strategy's data axis at any ZeRO stage); under tensor parallelism the sharded layers' parameters also
-    once per micro-batch (their forward and backward run as DTensor operations)."""
+    hybrid strategy's data x context axis at any ZeRO stage); under tensor parallelism the sharded layers'
+    parameters also once per micro-batch (their forward and backward run as DTensor operations)."""
     count = 0
-    if c.engine == "hybrid" and c.dp > 1:
+    if c.engine == "hybrid" and c.replicas > 1:
         count += sum(len(shape.layers[i].params) for i in layers)
     if c.tp > 1:
         sharded = sum(len(shape.layers[i].params) for i in layers
@@ -146,10 +188,9 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate) -> Prediction:
         cluster: the machines.
         c: the layout.
     """
-    world = c.dp * c.pp * c.tp
     per_rank = stage_layers(shape, c)
     micro = c.batch_size // c.microbatches
-    times = layer_seconds(shape, cluster, c, micro, world)
+    times = layer_seconds(shape, cluster, c, micro, c.world)
     stages = [stage for rank in per_rank for stage in rank]
     order = sorted(range(len(stages)), key=lambda i: stages[i][0])
     stages = [stages[i] for i in order]
@@ -160,20 +201,20 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate) -> Prediction:
         # Every schedule action also pays the runner's dispatch and its send/recv bookkeeping.
         fwd = [f + cluster.pipeline_action_overhead for f in fwd]
         bwd = [b + cluster.pipeline_action_overhead for b in bwd]
-        sent = max(shape.layers[s[-1]].output_bytes for s in stages) * micro
-        link = cluster.link(c.pp * c.tp, world)
+        sent = max(shape.layers[s[-1]].output_bytes for s in stages) * micro / c.cp
+        link = cluster.link(c.pp * c.tp, c.world)
         sim = _simulate(c.schedule, c.pp, c.stages_per_rank, c.microbatches, tuple(fwd), tuple(bwd), tuple(act),
                         link.latency + sent / link.bandwidth)
         batch_time, peaks, busy, bubble = sim.step_time, sim.peak_in_flight, max(sim.busy), sim.bubble
-        work = sum(sim.busy) * c.dp * c.tp
+        work = sum(sim.busy) * c.dp * c.cp * c.tp
     else:
         batch_time, peaks, busy, bubble = fwd[0] + bwd[0], (act[0],), fwd[0] + bwd[0], 0.0
-        work = busy * world
+        work = busy * c.world
     # Processes sharing fewer cores (compute_units) cannot finish before all their work has had a core:
     # a rank idle in the pipeline bubble leaves its core to the others.
-    slowdown = cluster.compute_slowdown(world)
-    batch_time = max(batch_time, work / (cluster.compute_units or world))
-    worst, comm, step, memories = None, 0.0, 0.0, []
+    slowdown = cluster.compute_slowdown(c.world)
+    batch_time = max(batch_time, work / (cluster.compute_units or c.world))
+    comm, step, memories = 0.0, 0.0, []
     for r, rank_stages in enumerate(per_rank):
         layers = [i for s in rank_stages for i in s]
         params, grads, optim = state_bytes(shape, c, layers)
@@ -187,4 +228,5 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate) -> Prediction:
         memories.append(Memory(params, grads, optim, peaks[r], working_bytes(shape, c, layers),
                                setup_bytes(shape, c, layers)))
     worst = max(memories, key=lambda m: m.total)
-    return Prediction(c, worst, step, c.accumulate * busy, bubble, comm)
+    context = max(context_bytes_per_step(shape, cluster, c, [i for s in rank for i in s]) for rank in per_rank)
+    return Prediction(c, worst, step, c.accumulate * busy, bubble, comm, *context)

@@ -5,7 +5,8 @@ its ``tensor_parallel_plan()`` (the same glob -> style plan the strategies apply
 from ``torch.utils.flop_counter``; the bytes autograd saves for backward from one micro-batch
 through ``saved_tensors_hooks``; forward+backward seconds per layer from
 :func:`lightning_parallel.parallel.pipeline.partition.measure_layer_times`, the function the ``time``
-partition uses.
+partition uses; the attention context parallelism would split (sequence, heads, head size) from the
+``q, k`` that the modules its ``context_parallel_plan()`` calls ``"attention"`` receive.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel.planner.shapes import LayerShape, ModelShape, Param
+from lightning_parallel.planner.shapes import AttentionShape, LayerShape, ModelShape, Param
 
 # Which dimension of a weight each plan style shards, and whether the bias is sharded with it.
 _WEIGHT_DIM = {"colwise": 0, "colwise_gather": 0, "embedding_rowwise": 0, "embedding_rowwise_replicated": 0,
@@ -79,6 +80,34 @@ def _saved_bytes(layer: nn.Module, inp: Tensor) -> tuple[int, Tensor]:
     return sum(seen.values()), out.detach()
 
 
+def _attention_modules(module: nn.Module) -> list[nn.Module]:
+    """The submodules ``module.context_parallel_plan()`` maps to ``"attention"`` (none without a plan)."""
+    plan = getattr(module, "context_parallel_plan", None)
+    if plan is None:
+        return []
+    globs = [pattern for pattern, style in dict(plan()).items() if style == "attention"]
+    return [m for name, m in module.named_modules() if name and any(fnmatch.fnmatchcase(name, g) for g in globs)]
+
+
+def _attention_shape(modules: Sequence[nn.Module], layer: nn.Module, inp: Tensor) -> Optional[AttentionShape]:
+    """The ``(q, k)`` the first of ``modules`` that ``layer`` calls on ``inp`` receives, as an AttentionShape."""
+    seen: list[AttentionShape] = []
+
+    def record(_: nn.Module, args: tuple) -> None:
+        if len(args) >= 2 and all(isinstance(t, Tensor) and t.dim() == 4 for t in args[:2]):
+            q, k = args[0], args[1]
+            seen.append(AttentionShape(q.shape[2], q.shape[1], k.shape[1], q.shape[3], q.element_size()))
+
+    handles = [m.register_forward_pre_hook(record) for m in modules]
+    try:
+        with torch.no_grad():
+            layer(inp)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen[0] if seen else None
+
+
 def _flops(layer: nn.Module, inp: Tensor) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -101,16 +130,21 @@ def profile_module(module: nn.Module, sample: Tensor, name: str = "model", optim
     plan = dict(module.tensor_parallel_plan()) if hasattr(module, "tensor_parallel_plan") else {}
     batch = sample.shape[0]
     shapes, x = [], sample[:1]
+    attention_modules, attention = _attention_modules(module), None
     for layer, prefix in zip(layers, _layer_prefixes(module, layers)):
         params, reducing, backward = _layer_params(layer, plan, prefix)
         flops = _flops(layer, x)
         saved, out = _saved_bytes(layer, x)
         sharded = _TP_SHARDED_SHARE * saved if any(p.tp_dim is not None for p in params) else 0.0
+        held = [m for m in layer.modules() if any(m is a for a in attention_modules)]
+        if held and attention is None:
+            attention = _attention_shape(held, layer, x)
         shapes.append(LayerShape(
             name=prefix.rstrip(".") or f"layer{len(shapes)}", params=params, fwd_flops=float(flops),
             activation_sharded=sharded, activation_replicated=saved - sharded,
             output_bytes=float(out.numel() * out.element_size()),
             tp_all_reduce_bytes=float(reducing * out.numel() * out.element_size()), tp_collectives=reducing + backward,
+            attention_modules=len(held),
         ))
         x = out
     # The loss after the last layer keeps its log-probabilities (cross-entropy's saved tensor, logits-sized).
@@ -119,7 +153,8 @@ def profile_module(module: nn.Module, sample: Tensor, name: str = "model", optim
     divides = _tp_limits(module)
     timer = _layer_timer(layers, sample)
     return ModelShape(name, tuple(shapes), tp_divides=divides, optimizer_states=optimizer_states,
-                      measured_seconds=timer, source=f"instantiated, measured on {batch} sample(s)")
+                      measured_seconds=timer, source=f"instantiated, measured on {batch} sample(s)",
+                      attention=attention)
 
 
 def _tp_limits(module: nn.Module) -> tuple[tuple[str, int], ...]:

@@ -48,6 +48,8 @@ class LayerShape:
         recompute_fraction: share of the forward time selective checkpointing spends recomputing.
         selective_saved: share of the activations selective checkpointing still keeps (None: not known, and
             selective checkpointing is not planned for this layer).
+        attention_modules: attention modules in the layer, each over the whole sequence (what context
+            parallelism replaces, and where its ring or all-to-all traffic happens).
     """
 
     name: str
@@ -60,10 +62,30 @@ class LayerShape:
     tp_collectives: int = 0
     recompute_fraction: float = 0.0
     selective_saved: Optional[float] = None
+    attention_modules: int = 0
 
     @property
     def num_params(self) -> int:
         return sum(p.numel for p in self.params)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The attention a context group splits: one sample's sequence and the heads each attention module has.
+
+    Args:
+        seq_len: tokens per sample (a context size must cut it into ``2 x cp`` equal chunks).
+        q_heads: query heads of the whole model (before tensor parallelism).
+        kv_heads: key/value heads (``q_heads`` without grouped-query attention).
+        head_dim: elements per head (of queries, keys and values alike).
+        act_bytes: bytes per element of q, k, v and the attention output (what a context group sends).
+    """
+
+    seq_len: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    act_bytes: int = 4
 
 
 @dataclass(frozen=True)
@@ -81,6 +103,8 @@ class ModelShape:
         built_on_meta: whether the run builds the model on the ``meta`` device (in ``configure_model``: each rank
             then allocates only its share) rather than with storage (in ``__init__``: every rank holds the whole
             model before the split). Decides the setup peak (:func:`~lightning_parallel.planner.memory.setup_bytes`).
+        attention: the sequence and heads context parallelism splits (None: no attention the module's
+            ``context_parallel_plan()`` names, and no context-parallel candidates).
     """
 
     name: str
@@ -91,6 +115,7 @@ class ModelShape:
     measured_seconds: Optional[Callable[[int], Sequence[float]]] = field(default=None, compare=False, repr=False)
     source: str = "analytic"
     built_on_meta: bool = True
+    attention: Optional[AttentionShape] = None
 
     @property
     def num_params(self) -> int:
@@ -151,7 +176,7 @@ def _block(i: int, h: int, heads: int, kv_heads: int, ffn: int, s: int, act_byte
         activation_sharded=sharded, activation_replicated=replicated, output_bytes=act_bytes * s * h,
         tp_all_reduce_bytes=2 * act_bytes * s * h, tp_collectives=4,
         recompute_fraction=0.05,  # elementwise ops, memory-bound
-        selective_saved=kept / (replicated + sharded),
+        selective_saved=kept / (replicated + sharded), attention_modules=1,
     )
 
 
@@ -181,4 +206,5 @@ def llama3_shape(name: str, seq_len: int = 8192, act_bytes: int = 2) -> ModelSha
                       output_bytes=4 * s * vocab)
     blocks = tuple(_block(i, h, heads, kv_heads, ffn, s, act_bytes) for i in range(n))
     return ModelShape(name, (embed, *blocks, head), tp_divides=(("query heads", heads), ("kv heads", kv_heads),
-                      ("ffn hidden", ffn), ("vocabulary", vocab)), source=f"analytic (seq {s}, bf16 activations)")
+                      ("ffn hidden", ffn), ("vocabulary", vocab)), source=f"analytic (seq {s}, bf16 activations)",
+                      attention=AttentionShape(s, heads, kv_heads, h // heads, act_bytes))

@@ -22,7 +22,8 @@ def ranked_table(plan: Plan, top: int, measured: Optional[Mapping[str, float]] =
     """The ``top`` layouts, fastest predicted first; a ``measured`` column when samples/s were measured.
 
     ``setup/rank`` is the peak while the model is built and split (the whole model when it is built with
-    storage); ``total/rank`` the larger of it and the training step's.
+    storage); ``total/rank`` the larger of it and the training step's. ``cp`` is the context size and method,
+    ``cp sent/step`` the bytes a rank sends per optimizer step in ring send/recv or all-to-all, and their time.
 
     Args:
         plan: the plan.
@@ -31,15 +32,18 @@ def ranked_table(plan: Plan, top: int, measured: Optional[Mapping[str, float]] =
     """
     table = Table(title=f"lp-plan: {plan.shape.name} on {plan.world} x {plan.cluster.name} "
                         f"({len(plan.ranked)} layouts fit, {len(plan.rejected)} refused)")
-    columns = ("#", "layout", "samples/s", "step", "bubble", "comm", "states/rank", "activations", "setup/rank",
-               "total/rank")
+    columns = ("#", "layout", "cp", "samples/s", "step", "bubble", "comm", "cp sent/step", "states/rank",
+               "activations", "setup/rank", "total/rank")
     for column in columns:
         table.add_column(column, justify="left" if column == "layout" else "right")
     if measured is not None:
         table.add_column("measured samples/s", justify="right")
     for i, p in enumerate(plan.ranked[:top], 1):
-        row = [str(i), p.candidate.name, f"{p.throughput:.4g}", f"{p.step_time * 1e3:.4g} ms", f"{p.bubble:.0%}",
-               f"{p.comm * 1e3:.3g} ms", _bytes(p.memory.states), _bytes(p.memory.activations),
+        c = p.candidate
+        context = f"{c.cp} {c.cp_method}" if c.cp > 1 else "1"
+        sent = f"{_bytes(p.context_bytes)}, {p.context_comm * 1e3:.3g} ms" if c.cp > 1 else "-"
+        row = [str(i), c.name, context, f"{p.throughput:.4g}", f"{p.step_time * 1e3:.4g} ms", f"{p.bubble:.0%}",
+               f"{p.comm * 1e3:.3g} ms", sent, _bytes(p.memory.states), _bytes(p.memory.activations),
                _bytes(p.memory.setup), _bytes(p.memory.total)]
         if measured is not None:
             value = measured.get(p.candidate.name)

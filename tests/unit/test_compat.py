@@ -114,6 +114,30 @@ def test_fit_loop_checkpoint_layout_has_the_keys_exact_resume_rewrites():
     assert checkpoint["loops"]["fit_loop"]["state_dict"] == {}
 
 
+def test_transformers_attention_implementation_is_read_and_checked_through_compat():
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    from lightning_parallel import _compat
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2))
+    model.set_attn_implementation("eager")
+    assert _compat.attention_implementation(model) == "eager"
+    assert _compat.can_set_attention_implementation(model)
+
+
+def test_grouped_mm_multiplies_each_row_group_by_its_own_matrix():
+    import torch
+
+    from lightning_parallel import _compat
+
+    x, w = torch.randn(6, 4), torch.randn(2, 4, 8)
+    offsets = torch.tensor([2, 6], dtype=torch.int32)  # rows 0-1 by w[0], rows 2-5 by w[1]
+    expected = torch.cat([x[:2] @ w[0], x[2:] @ w[1]])
+    torch.testing.assert_close(_compat.grouped_mm(x, w, offsets), expected)
+
+
 def test_device_mesh_unflatten_takes_dim_sizes_and_names():
     import inspect
 
