@@ -105,16 +105,19 @@ class Block(nn.Module):
         dropout: dropout probability in attention and MLP.
         causal: causal attention (decoder) or bidirectional (encoder).
         linear: makes the attention and MLP projections (``nn.Linear``).
+        mlp: the feed-forward module in place of the dense :class:`MLP` (a mixture of experts), still named
+            ``mlp``; None builds the dense one.
     """
 
     def __init__(
-        self, d_model: int, n_head: int, mlp_ratio: int, dropout: float, causal: bool, linear: Linear = nn.Linear
+        self, d_model: int, n_head: int, mlp_ratio: int, dropout: float, causal: bool, linear: Linear = nn.Linear,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
         self.attn = SelfAttention(d_model, n_head, dropout, causal, linear)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model, mlp_ratio * d_model, dropout, linear)
+        self.mlp = MLP(d_model, mlp_ratio * d_model, dropout, linear) if mlp is None else mlp
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))

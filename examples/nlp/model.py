@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from ..building import BuildsInConfigureModel, NormalEmbedding, NormalLinear, seed_built_model
 from ..optimization import weight_decay_groups, with_warmup_cosine
 from ..transformer import Block
+from .moe import MoEFeedForward, model_balancing_loss, moe_blocks, moe_settings
 
 STD = 0.02  # every weight and embedding: N(0, STD); biases zero
 
@@ -85,6 +86,10 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
         weight_decay: applied to matrices only (not biases, norms or embeddings).
         warmup_steps: linear warm-up steps of the learning-rate schedule.
         max_steps: steps of the cosine decay (the Trainer's ``max_steps``); 0 keeps lr flat after warm-up.
+        moe: None for dense blocks; else mixture-of-experts settings (:func:`examples.nlp.moe.moe_settings`):
+            ``every`` (MoE in every k-th block) and :class:`examples.nlp.moe.MoEFeedForward`'s arguments. The
+            balancing loss joins the training loss over the global batch; the sigmoid router's bias is updated
+            after each step.
     """
 
     def __init__(
@@ -100,12 +105,15 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
         weight_decay: float = 0.1,
         warmup_steps: int = 0,
         max_steps: int = 0,
+        moe: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if d_model % n_head:
             raise ValueError(
                 f"n_head={n_head} must divide d_model={d_model}: pick n_head among the divisors of d_model."
             )
+        if moe:
+            moe_settings(moe, n_layer)  # refuse bad settings before anything is built
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=3e-3)
 
@@ -117,8 +125,12 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
         hp = self.hparams
         linear = partial(NormalLinear, std=STD)
         self.embed = TokenEmbedding(hp.vocab_size, hp.d_model, hp.seq_len, hp.dropout)
+        experts, settings = moe_settings(hp.moe, hp.n_layer) if hp.get("moe") else (set(), {})
+        settings = {"hidden": hp.mlp_ratio * hp.d_model, "std": STD, **settings}
         self.blocks = nn.ModuleDict(
-            {str(i): Block(hp.d_model, hp.n_head, hp.mlp_ratio, hp.dropout, causal=True, linear=linear)
+            {str(i): Block(hp.d_model, hp.n_head, hp.mlp_ratio, hp.dropout, causal=True, linear=linear,
+                           mlp=MoEFeedForward(hp.d_model, dropout=hp.dropout, linear=linear, **settings)
+                           if i in experts else None)
              for i in range(hp.n_layer)}
         )
         self.head = LMHead(hp.d_model, hp.vocab_size)
@@ -234,9 +246,25 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
         return loss + (mean - loss.detach())
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        blocks = moe_blocks(self)
+        for block in blocks:
+            block.pop_routing_stats()  # left by a recomputation in the last backward (activation checkpointing)
         loss = self.global_token_mean(batch)
         self.log("train_loss", loss, prog_bar=True)
+        if blocks:
+            aux, dropped = model_balancing_loss(self, mean=self._mean_over_ranks)
+            self.log("moe_aux_loss", aux)
+            self.log("moe_dropped", dropped, reduce_fx="sum", sync_dist=True)
+            loss = loss + aux
         return loss
+
+    def _mean_over_ranks(self, tensor: Tensor) -> Tensor:
+        return self.trainer.strategy.reduce(tensor, reduce_op="mean")
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        for block in moe_blocks(self):
+            if block.router_kind == "sigmoid":
+                block.update_expert_bias(mean=self._mean_over_ranks)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self.global_token_mean(batch)

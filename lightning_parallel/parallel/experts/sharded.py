@@ -1,0 +1,142 @@
+"""An MoE block's experts sharded over an expert group, and the reduction their gradients need.
+
+Note:
+    Why plain local parameters and not DTensors: each rank's slice is an ordinary ``[E/ep, ...]`` parameter under
+    the full module's attribute names (``blocks.1.mlp.experts.w_up``), so the expert math, optimizers and FSDP2
+    over the expert-data group see plain tensors. A checkpoint that must reshard presents them as
+    ``Shard(0)`` over the expert group (:func:`expert_range` says which rows a rank holds).
+
+    Gradient reduction. The data ranks (``D`` of them, expert-parallel ranks included) each form a loss
+    ``L_r`` and the suite averages dense gradients: the step's gradient is that of ``(1/D) sum_r L_r``. An expert
+    slice held by rank ``r`` receives, through the all-to-all's backward, ``sum_{q in its expert group}
+    dL_q/dW``. The ranks holding the same slice (one per expert group: the *expert-data* group) together cover
+    every data rank once, so the exact gradient is ``(1/D) * sum over the expert-data group`` -- a sum, divided
+    by all ``D`` data ranks, not by the expert-data group's size (torchtitan's gradient divide factor).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_parallel.parallel.experts.capacity import Capacity, global_keep
+from lightning_parallel.parallel.experts.dispatch import combine_sorted, dispatch_sorted
+from lightning_parallel.parallel.experts.grouped import Kernel, grouped_mm
+
+EXPERT_WEIGHTS = ("w_up", "w_down")  # the grouped weights of the experts module, experts along dim 0
+
+
+def expert_range(num_experts: int, group: dist.ProcessGroup) -> tuple[int, int]:
+    """``(first, end)`` of the consecutive experts this rank holds in the expert group.
+
+    Args:
+        num_experts: ``E``.
+        group: the expert group (``ep`` ranks; ``ep`` must divide ``E``).
+    """
+    return expert_block(num_experts, dist.get_world_size(group), dist.get_rank(group))
+
+
+def expert_block(num_experts: int, ep: int, rank: int) -> tuple[int, int]:
+    """``(first, end)`` of the experts of rank ``rank`` of ``ep``: consecutive blocks of ``E/ep``.
+
+    Args:
+        num_experts: ``E``.
+        ep: ranks of the expert group (must divide ``E``).
+        rank: the rank in the expert group.
+    """
+    if num_experts % ep:
+        raise ValueError(
+            f"expert parallel size {ep} does not divide num_experts={num_experts}: pick ep among its divisors."
+        )
+    local = num_experts // ep
+    return rank * local, (rank + 1) * local
+
+
+class ExpertParallel(nn.Module):
+    """Stands in for an MoE block's experts module, holding only this rank's ``E/ep`` experts.
+
+    The experts module it replaces has ``num_experts``, grouped weights ``w_up``/``w_down`` (experts along dim 0),
+    ``expert_mlp(x, counts, w_up, w_down, mm)`` and ``reset_parameters()``; the block calls
+    ``keep(counts, tokens, capacity)`` then ``forward(rows sorted by expert, kept counts)``, on this as on it.
+
+    Args:
+        experts: the full-size experts module (on ``meta`` or with storage; moved to ``meta`` here, kept only
+            as the template :meth:`reset_parameters` draws from).
+        group: the expert group.
+        capacity_group: the ranks whose batches together are the one-process batch that capacity is shared over
+            (default ``group``; the whole data group when the expert group is a part of it).
+        kernel: torch's grouped GEMM (through ``_compat``); None runs the loop.
+    """
+
+    def __init__(self, experts: nn.Module, group: dist.ProcessGroup,
+                 capacity_group: Optional[dist.ProcessGroup] = None, kernel: Optional[Kernel] = None) -> None:
+        super().__init__()
+        self.num_experts = experts.num_experts
+        self.first, self.end = expert_range(self.num_experts, group)
+        self.group, self.capacity_group, self.kernel = group, capacity_group or group, kernel
+        for name in EXPERT_WEIGHTS:
+            full = getattr(experts, name)
+            self.register_parameter(name, nn.Parameter(full.detach()[self.first:self.end].clone()))
+        self.expert_mlp = experts.expert_mlp
+        self._template = [experts.to("meta")]  # a list: not a submodule, so not among this module's parameters
+
+    def reset_parameters(self) -> None:
+        """This rank's slice of what the full module's ``reset_parameters()`` draws (same seed, same values)."""
+        full = copy.deepcopy(self._template[0]).to_empty(device="cpu")
+        full.reset_parameters()
+        with torch.no_grad():
+            for name in EXPERT_WEIGHTS:
+                getattr(self, name).copy_(getattr(full, name)[self.first:self.end])
+
+    def keep(self, counts: Tensor, tokens: int, capacity: Capacity) -> Tensor:
+        """Copies kept per expert, decided over ``capacity_group`` as one process would (:func:`global_keep`).
+
+        Args:
+            counts: ``[E]`` this rank's copies routed to each expert.
+            tokens: this rank's tokens in this forward.
+            capacity: copies one expert takes from a batch of the given number of tokens.
+        """
+        return global_keep(counts, tokens, capacity, self.capacity_group)
+
+    def _mm(self, x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
+        return grouped_mm(x, weight, counts, self.kernel)
+
+    def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
+        local, route = dispatch_sorted(rows, counts, self.group)
+        out = self.expert_mlp(local, route.local_counts, self.w_up, self.w_down, self._mm)
+        return combine_sorted(out, route, self.group)
+
+
+def expert_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of every expert slice in ``module``: left out of the dense data-parallel reduction.
+
+    Args:
+        module: the model.
+    """
+    return [(f"{prefix}.{name}" if prefix else name, p)
+            for prefix, m in module.named_modules() if isinstance(m, ExpertParallel)
+            for name, p in m.named_parameters(recurse=False)]
+
+
+def reduce_expert_gradients(module: nn.Module, expert_data_group: Optional[dist.ProcessGroup],
+                            data_ranks: int) -> None:
+    """Sum the expert slices' gradients over the expert-data group and divide by all data ranks (module Note).
+
+    Args:
+        module: the model, after backward.
+        expert_data_group: the ranks holding the same experts (None when there is one).
+        data_ranks: ``D``, the ranks dense gradients are averaged over (expert-parallel ranks included).
+    """
+    grads = [p.grad for _, p in expert_parameters(module) if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all experts of the model
+    if expert_data_group is not None and dist.get_world_size(expert_data_group) > 1:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=expert_data_group)
+    flat /= data_ranks
+    for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(piece.view_as(grad))
