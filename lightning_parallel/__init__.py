@@ -11,6 +11,7 @@ from lightning_parallel.strategies import (
     HybridParallelStrategy,
     PipelineParallelStrategy,
     TensorParallelStrategy,
+    TorchRecStrategy,
 )
 
 __all__ = [
@@ -20,5 +21,6 @@ __all__ = [
     "ParallelLayout",
     "PipelineParallelStrategy",
     "TensorParallelStrategy",
+    "TorchRecStrategy",
 ]
 __version__ = "0.1.0"

@@ -119,9 +119,8 @@ class CollateJagged:
             starts, ends = offsets[index], offsets[index + 1]
             lengths.append(ends - starts)
             values.extend(ids[s:e] for s, e in zip(starts, ends))
-        kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=self.keys, values=torch.from_numpy(np.concatenate(values)), lengths=torch.from_numpy(np.concatenate(lengths))
-        )
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=self.keys, values=torch.from_numpy(np.concatenate(values)),
+                                                  lengths=torch.from_numpy(np.concatenate(lengths)))
         return torch.from_numpy(self.log.dense[index]), kjt, torch.from_numpy(self.log.labels[index])
 
 

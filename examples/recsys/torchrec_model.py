@@ -34,6 +34,21 @@ from ..building import BuildsInConfigureModel, seed_built_model
 from .torchrec_data import feature_names, table_names
 
 
+def interaction_arch(num_sparse_features: int) -> torch.nn.Module:
+    """TorchRec's ``InteractionArch`` with a ``reset_parameters()`` that refills its index buffer.
+
+    Built on ``meta`` its ``triu_indices`` buffer has no values; the suite materialises a module by calling its
+    ``reset_parameters()`` (:mod:`examples.building`), so this one recomputes the indices there.
+    """
+    from torchrec.models.dlrm import InteractionArch
+
+    class Interaction(InteractionArch):
+        def reset_parameters(self) -> None:
+            self.triu_indices.copy_(torch.triu_indices(self.F + 1, self.F + 1, offset=1))
+
+    return Interaction(num_sparse_features)
+
+
 class TorchRecDLRM(BuildsInConfigureModel, pl.LightningModule):
     """DLRM (Naumov et al., 2019) on TorchRec's modules, for click-through prediction.
 
@@ -91,6 +106,7 @@ class TorchRecDLRM(BuildsInConfigureModel, pl.LightningModule):
             dense_arch_layer_sizes=[*hp.bottom_widths, hp.embedding_dim],
             over_arch_layer_sizes=[*hp.top_widths, 1],
         )
+        self.dlrm.inter_arch = interaction_arch(len(tables))
         apply_table_optimizer(self, hp.table_optimizer, {"lr": hp.table_lr})
         if seed_built_model(self):  # with storage: the values every layout gives it
             init_tables(self, torch.initial_seed())
@@ -98,8 +114,24 @@ class TorchRecDLRM(BuildsInConfigureModel, pl.LightningModule):
     def forward(self, dense: Tensor, sparse: Any) -> Tensor:
         return self.dlrm(dense_features=dense, sparse_features=sparse).squeeze(-1)
 
-    def _step(self, batch: Sequence[Any], name: str) -> Tensor:
+    # --- module protocol (lightning_parallel.protocol; EvaluationReport uses it) ---------
+    def pipeline_split_batch(self, batch: Sequence[Any]) -> tuple[tuple[Tensor, Any], Tensor]:
         dense, sparse, labels = batch
+        return (dense, sparse), labels
+
+    def evaluation_metrics(self) -> dict[str, Any]:
+        """Fresh torchmetrics, updated with ``(logits, labels)`` of whole evaluation sets."""
+        from torchmetrics.classification import BinaryAUROC
+
+        return {"auc": BinaryAUROC()}
+
+    # --- Lightning -------------------------------------------------------------------
+    def predict_step(self, batch: Sequence[Any], batch_idx: int = 0) -> Tensor:
+        (dense, sparse), _ = self.pipeline_split_batch(batch)
+        return self(dense, sparse)
+
+    def _step(self, batch: Sequence[Any], name: str) -> Tensor:
+        (dense, sparse), labels = self.pipeline_split_batch(batch)
         loss = F.binary_cross_entropy_with_logits(self(dense, sparse), labels.to(dense.dtype))
         self.log(f"{name}_loss", loss, prog_bar=name != "test", sync_dist=name != "train", batch_size=len(labels))
         return loss

@@ -13,9 +13,10 @@ from lightning_parallel.strategies.presets import (
     PipelineParallelStrategy,
     TensorParallelStrategy,
 )
+from lightning_parallel.strategies.torchrec import TorchRecStrategy
 
 STRATEGIES = (DeepSpeedDataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy,
-              ContextParallelStrategy)
+              ContextParallelStrategy, TorchRecStrategy)
 
 
 def register_all(registry=StrategyRegistry) -> None:
@@ -32,5 +33,6 @@ __all__ = [
     "HybridParallelStrategy",
     "PipelineParallelStrategy",
     "TensorParallelStrategy",
+    "TorchRecStrategy",
     "register_all",
 ]

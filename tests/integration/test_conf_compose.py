@@ -35,6 +35,8 @@ def test_option_composes_and_resolves(group, option):
         return
     if group == "hparams_search":
         pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e '.[sweep]'")
+    if (group, option) in (("strategy", "torchrec"), ("experiment", "recsys_torchrec")):
+        pytest.importorskip("torchrec", reason="pip install -e '.[recsys]' && pip install --no-deps torchrec")
     # compare/ is not in lp-train's defaults (lp-compare adds it), so it composes as an addition.
     cfg = _compose([f"{'+' if group == 'compare' else ''}{group}={option}"])
     container = OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
