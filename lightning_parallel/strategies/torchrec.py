@@ -72,9 +72,9 @@ class TorchRecStrategy(DDPStrategy):
             (``sgd``, ``adagrad``, ``adam``, ``rowwise_adagrad``); None requires the module to.
         embedding_optimizer_kwargs: its arguments (``{"lr": 0.05}``).
         compute_kernel: TorchRec's kernel for sharded tables (``fused``: the optimizer runs in backward).
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend, timeout: as Lightning's ``DDPStrategy``.
-        **ddp_kwargs: passed to the ``DistributedDataParallel`` that DMP wraps around the dense part.
+        **ddp_kwargs: besides Lightning's ``DDPStrategy`` arguments (``accelerator``, ``parallel_devices``,
+            ``process_group_backend``, ``timeout``, ...), passed to the ``DistributedDataParallel`` that DMP wraps
+            around the dense part.
 
     Raises:
         ImportError: torchrec or fbgemm-gpu is not installed (the message names the install command).
