@@ -162,8 +162,14 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
         token embedding stays replicated because the learned position table is added to it
         first, and ``embed`` slices the sum; norms run on the slice and attention/MLP gather
         the full sequence on entry. The ``sequence``/``scatter_output`` entries do nothing
-        without sequence parallelism.
+        without sequence parallelism. Mixture-of-experts blocks keep their router and experts whole on every
+        tensor rank (experts shard over the expert axis instead): the MLP entries name the dense blocks only.
         """
+        moe = self.hparams.get("moe")
+        sparse = moe_settings(moe, self.hparams.n_layer)[0] if moe else set()
+        mlps = ["*"] if not sparse else [str(i) for i in range(self.hparams.n_layer) if i not in sparse]
+        mlp_plan = {f"blocks.{i}.{name}": style for i in mlps
+                    for name, style in (("mlp", "gather_input"), ("mlp.up", "colwise"), ("mlp.down", "rowwise"))}
         return {
             "embed.tok": "embedding_rowwise_replicated",
             "embed": "scatter_output",
@@ -174,12 +180,26 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
             "blocks.*.attn.v": "colwise",
             "blocks.*.attn.out": "rowwise",
             "blocks.*.ln2": "sequence",
-            "blocks.*.mlp": "gather_input",
-            "blocks.*.mlp.up": "colwise",
-            "blocks.*.mlp.down": "rowwise",
+            **mlp_plan,
             "head.norm": "sequence",
             "head.proj": "colwise_gather",
         }
+
+    def expert_parallel_plan(self) -> dict[str, str]:
+        """Expert parallelism: each MoE block's grouped experts sharded over the expert ranks (empty when dense)."""
+        return {"blocks.*.mlp.experts": "experts"} if self.hparams.get("moe") else {}
+
+    def check_batch_split(self, splits: list[str]) -> None:
+        """The balancing loss and the sigmoid router's bias update happen in ``training_step``, which a pipeline
+        schedule does not call, over routing statistics every stage would hold a part of: refused there."""
+        moe = self.hparams.get("moe") or {}
+        pipelined = [s for s in splits if s.startswith("pipeline_parallel_size")]
+        if pipelined and (moe.get("aux_loss_weight") or moe.get("router") == "sigmoid"):
+            raise ValueError(
+                f"moe={moe} forms its balancing loss (aux_loss_weight) or updates its expert bias (router='sigmoid') "
+                f"in training_step, which the pipeline schedule of {pipelined[0]} does not call: set "
+                "aux_loss_weight=0 and router='softmax' under pipeline parallelism, or pipeline_parallel_size=1."
+            )
 
     def context_parallel_plan(self) -> dict[str, str]:
         """Context parallelism: each block's attention sees the whole sequence across the context ranks, and

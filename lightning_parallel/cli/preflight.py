@@ -24,6 +24,7 @@ SETTING_NAMES = {
     "pipeline_parallel": "strategy.pipeline_parallel_size",
     "tensor_parallel": "strategy.tensor_parallel_size",
     "context_parallel": "strategy.context_parallel_size",
+    "expert_parallel": "strategy.expert_parallel_size",
     "devices": "trainer.devices",
     "num_nodes": "trainer.num_nodes",
 }

@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CONTEXT_PARALLEL", "DATA_AXES", "DATA_CONTEXT", "DATA_PARALLEL", "DATA_REPLICATE", "DATA_SHARD",
            "DEFAULT_NAMES", "MESH_AXES", "PIPELINE_PARALLEL", "TENSOR_PARALLEL", "ParallelLayout", "RankCoordinates",
-           "Size", "check_size", "factorizations", "rank_map_rows", "run_mesh"]
+           "Size", "check_size", "expert_mesh", "factorizations", "rank_map_rows", "run_mesh", "EXPERT_DATA",
+           "EXPERT_PARALLEL"]
 
 DATA_REPLICATE = "data_replicate"
 DATA_SHARD = "data_shard"
@@ -59,6 +60,11 @@ DATA_AXES: tuple[str, str] = (DATA_REPLICATE, DATA_SHARD)
 # ``data_context`` axis (FSDP2 shards and reduces gradients over it: context ranks hold the same parameters);
 # the run's mesh is its 4-D view ``(data_parallel, context_parallel, pipeline_parallel, tensor_parallel)``.
 DATA_CONTEXT = "data_context"
+# Expert parallelism borrows data x context ranks (torchtitan's ``dp_shard x cp == efsdp x ep``): the ranks of
+# one (pipeline, tensor) position, which hold different tokens, split into expert groups of consecutive ranks
+# (each holding E / ep experts) and expert-data groups across them (holding the same experts).
+EXPERT_PARALLEL = "expert_parallel"
+EXPERT_DATA = "expert_data"
 
 
 # How messages spell each setting by default (the Python API's words); the entry point passes
@@ -99,6 +105,8 @@ class ParallelLayout:
             groups); 1 (default): one group, ZeRO 2/3 shard over the whole data axis.
         context_parallel: ranks that split each sequence of a data replica (context parallelism; never
             ``"auto"``); 1: off. They hold the same parameters, so gradients reduce over data x context.
+        expert_parallel: ranks among the data x context ranks that share a mixture-of-experts layer's experts,
+            each holding ``E / expert_parallel`` of them (must divide data x context); 1: off.
     """
 
     world_size: int
@@ -107,9 +115,11 @@ class ParallelLayout:
     tensor_parallel: int
     data_replicate: int = 1
     context_parallel: int = 1
+    expert_parallel: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "data_parallel", "pipeline_parallel", "tensor_parallel", "context_parallel"):
+        for name in ("world_size", "data_parallel", "pipeline_parallel", "tensor_parallel", "context_parallel",
+                     "expert_parallel"):
             value = getattr(self, name)
             if value == "auto":
                 raise ValueError(
@@ -123,6 +133,12 @@ class ParallelLayout:
                 raise ValueError(context_mismatch(self.world_size, self.context_parallel, World(
                     self.world_size, 1, DEFAULT_NAMES)))
             raise ValueError(World(self.world_size // self.context_parallel, 1, DEFAULT_NAMES).mismatch(sizes))
+        if self.data_context % self.expert_parallel:
+            divisors = [d for d in range(1, self.data_context + 1) if self.data_context % d == 0]
+            raise ValueError(
+                f"expert_parallel_size={self.expert_parallel} must divide the ranks holding different tokens, data x "
+                f"context = {self.data_parallel} x {self.context_parallel} = {self.data_context} (experts borrow "
+                f"them). Fix: expert_parallel_size among {divisors}, or more data-parallel ranks.")
         check_size("data_replicate", self.data_replicate)
         if self.data_parallel % self.data_replicate:
             raise ValueError(
@@ -142,6 +158,7 @@ class ParallelLayout:
         data_replicate: Optional[int] = None,
         data_shard: Optional[int] = None,
         context_parallel: int = 1,
+        expert_parallel: int = 1,
     ) -> ParallelLayout:
         """Fill in at most one ``"auto"`` size from the world size and validate.
 
@@ -151,10 +168,10 @@ class ParallelLayout:
             names: how the caller spells each setting in messages (keys of :data:`DEFAULT_NAMES`,
                 e.g. ``{"pipeline_parallel": "strategy.pipeline_parallel_size", "devices": "trainer.devices"}``).
             num_nodes: nodes in the world (only for the messages' device counts).
-            data_replicate: the HSDP split of the data axis (give either this or ``data_shard``, or both
-                with product ``data_parallel``); None for both: one shard group (``data_replicate=1``).
-            data_shard: the HSDP split's other factor (see ``data_replicate``).
-            context_parallel: ranks splitting each sequence (explicit); the other axes share the rest.
+            data_replicate, data_shard: the HSDP split of the data axis (either, or both with product
+                ``data_parallel``); None for both: one shard group (``data_replicate=1``).
+            context_parallel, expert_parallel: ranks splitting each sequence (explicit; the other axes share the
+                rest); ranks sharing each MoE layer's experts (borrowed from data x context).
 
         Raises:
             ValueError: non-positive sizes, more than one ``"auto"``, sizes that do not multiply (or divide) to
@@ -179,7 +196,7 @@ class ParallelLayout:
             sizes[auto[0]] = world.size // fixed
         replicas = _replica_groups(sizes[DATA_PARALLEL], data_replicate, data_shard, world.names)
         return cls(full_world.size, sizes[DATA_PARALLEL], sizes[PIPELINE_PARALLEL],
-                   sizes[TENSOR_PARALLEL], replicas, context_parallel)
+                   sizes[TENSOR_PARALLEL], replicas, context_parallel, expert_parallel)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -251,15 +268,26 @@ class ParallelLayout:
             return [self.rank_at(d, p, i, c) for i in range(self.tensor_parallel)]
         if axis == CONTEXT_PARALLEL:
             return [self.rank_at(d, p, t, i) for i in range(self.context_parallel)]
-        if axis == DATA_CONTEXT:
-            return [self.rank_at(i, p, t, j) for i in range(self.data_parallel) for j in range(self.context_parallel)]
+        if axis in (DATA_CONTEXT, EXPERT_PARALLEL, EXPERT_DATA):
+            return self._data_context_group(axis, rank)
         if axis in DATA_AXES:
             replica, shard = self.data_coordinates(rank)
             data = ([r * self.data_shard + shard for r in range(self.data_replicate)] if axis == DATA_REPLICATE
                     else [replica * self.data_shard + s for s in range(self.data_shard)])
             return [self.rank_at(i, p, t, c) for i in data]
-        known = MESH_AXES + (CONTEXT_PARALLEL, DATA_CONTEXT) + DATA_AXES
+        known = MESH_AXES + (CONTEXT_PARALLEL, DATA_CONTEXT, EXPERT_PARALLEL, EXPERT_DATA) + DATA_AXES
         raise ValueError(f"Unknown mesh axis {axis!r}: use one of {known}.")
+
+    def _data_context_group(self, axis: str, rank: int) -> list[int]:
+        """The data x context ranks of ``rank``'s (pipeline, tensor) position, or its expert or expert-data part."""
+        (d, p, t), c = self.coordinates(rank), self.context_rank(rank)
+        ranks = [self.rank_at(i, p, t, j) for i in range(self.data_parallel) for j in range(self.context_parallel)]
+        if axis == DATA_CONTEXT:
+            return ranks
+        block, index = divmod(d * self.context_parallel + c, self.expert_parallel)
+        if axis == EXPERT_PARALLEL:  # consecutive ranks of data x context
+            return ranks[block * self.expert_parallel:(block + 1) * self.expert_parallel]
+        return ranks[index::self.expert_parallel]
 
     def rank_map(self) -> list[tuple[int, RankCoordinates]]:
         """Every global rank with its coordinates, for the start-up table."""
@@ -284,7 +312,8 @@ class ParallelLayout:
         """Short form such as ``dp2 x pp2 x tp1``, or ``dp4(2x2) x pp1 x tp1`` under HSDP."""
         data = f"dp{self.data_parallel}" + (f"({self.data_replicate}x{self.data_shard})" if self.hsdp_enabled else "")
         context = f" x cp{self.context_parallel}" if self.context_parallel_enabled else ""
-        return f"{data}{context} x pp{self.pipeline_parallel} x tp{self.tensor_parallel}"
+        experts = f" (ep{self.expert_parallel})" if self.expert_parallel > 1 else ""
+        return f"{data}{context} x pp{self.pipeline_parallel} x tp{self.tensor_parallel}{experts}"
 
 
 def run_mesh(layout: ParallelLayout, root: DeviceMesh) -> DeviceMesh:
@@ -302,6 +331,23 @@ def run_mesh(layout: ParallelLayout, root: DeviceMesh) -> DeviceMesh:
 
     return _compat.unflatten_mesh_dim(root, DATA_CONTEXT, (layout.data_parallel, layout.context_parallel),
                                       (DATA_PARALLEL, CONTEXT_PARALLEL))
+
+
+def expert_mesh(layout: ParallelLayout, root: DeviceMesh) -> Optional[DeviceMesh]:
+    """``root``'s data (x context) axis unflattened into ``(expert_data, expert_parallel)``, or None without
+    expert parallelism (a collective: every rank calls it once, after the root mesh is built).
+
+    Args:
+        layout: the resolved layout.
+        root: the mesh :meth:`ParallelLayout.build_mesh` made.
+    """
+    if layout.expert_parallel == 1:
+        return None
+    from lightning_parallel import _compat
+
+    axis = DATA_CONTEXT if layout.context_parallel_enabled else DATA_PARALLEL
+    shape = (layout.data_context // layout.expert_parallel, layout.expert_parallel)
+    return _compat.unflatten_mesh_dim(root, axis, shape, (EXPERT_DATA, EXPERT_PARALLEL))
 
 
 def _after_context(world: World, context_parallel: Size) -> World:

@@ -7,6 +7,7 @@ from lightning_parallel.layout import (
     DATA_PARALLEL,
     DATA_REPLICATE,
     DATA_SHARD,
+    EXPERT_PARALLEL,
     PIPELINE_PARALLEL,
     TENSOR_PARALLEL,
     ParallelLayout,
@@ -22,7 +23,7 @@ def rank_map_rows(layout: ParallelLayout, limit: int = 16) -> dict[str, str]:
     """
     rows = {}
     axes = [("tensor groups", TENSOR_PARALLEL), ("pipeline groups", PIPELINE_PARALLEL),
-            ("context groups", CONTEXT_PARALLEL), ("data groups", DATA_PARALLEL)]
+            ("context groups", CONTEXT_PARALLEL), ("data groups", DATA_PARALLEL), ("expert groups", EXPERT_PARALLEL)]
     if layout.hsdp_enabled:  # the data groups split: shard within a group, all-reduce across groups
         axes += [("data shard groups", DATA_SHARD), ("data replica groups", DATA_REPLICATE)]
     for label, axis in axes:

@@ -212,14 +212,57 @@ class ModelAdapter:
             )
         return dict(own())
 
+    # Expert parallelism --------------------------------------------------------------------
+    def check_expert_parallel(self, size: int) -> None:
+        """Refuse, before start, a model whose experts cannot be sharded ``size`` ways: the module's
+        ``expert_parallel_plan()`` must name its experts modules, whose expert counts ``size`` divides.
+
+        Args:
+            size: the expert-parallel size.
+        """
+        from lightning_parallel.parallel.experts.plan import matching_experts
+
+        matching_experts(self.module, self._expert_plan(size), type(self.module).__name__, size)
+
+    def apply_expert_parallel(self, model: nn.Module, mesh: Any, token_group: Optional[dist.ProcessGroup],
+                              kernel: Optional[Any] = None) -> list[str]:
+        """Shard the experts modules ``model`` (this rank's share) holds over the expert mesh; returns their names.
+
+        Args:
+            model: the module after its pipeline split.
+            mesh: the 1-D expert mesh.
+            token_group: the data x context ranks, whose batches together are one process's (capacity).
+            kernel: a grouped GEMM kernel, or None for the loop.
+        """
+        from lightning_parallel.parallel.experts.plan import apply_expert_plan, matching_experts
+
+        size = mesh.size()
+        names = matching_experts(model, self._expert_plan(size), type(self.module).__name__, size, whole=False)
+        return apply_expert_plan(model, names, mesh, token_group, kernel)
+
+    def _expert_plan(self, size: int) -> dict[str, str]:
+        own = getattr(self.module, "expert_parallel_plan", None)
+        plan = dict(own()) if callable(own) else {}
+        if not plan:
+            raise ValueError(
+                f"expert_parallel_size={size}, but {type(self.module).__name__} names no experts "
+                "(expert_parallel_plan() is missing or empty): build its mixture-of-experts layers (e.g. the GPT "
+                "recipe's moe= settings) and name them, or set expert_parallel_size=1."
+            )
+        return plan
+
     # Losses --------------------------------------------------------------------------------
     def check_batch_split(self, splits: list[str]) -> None:
         """Refuse, before start, a loss the layout would change: one that is not a mean over items, formed on
-        each part of a split batch (a router's load-balancing loss). The protocol's losses are token terms.
+        each part of a split batch (a router's load-balancing loss). The protocol asks the module's own
+        ``check_batch_split(splits)`` where it defines one.
 
         Args:
             splits: how the layout splits each batch, as settings (``["data_parallel_size=2"]``); empty: whole.
         """
+        own = getattr(self.module, "check_batch_split", None)
+        if callable(own):
+            own(splits)
 
     def loss_weighting(
         self, group: Optional[dist.ProcessGroup], data_parallel_size: int, accumulate_grad_batches: int = 1,

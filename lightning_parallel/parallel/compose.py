@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch import Tensor, nn
 
-from lightning_parallel.layout import CONTEXT_PARALLEL, TENSOR_PARALLEL, ParallelLayout
+from lightning_parallel.layout import TENSOR_PARALLEL, ParallelLayout
 from lightning_parallel.parallel import activation_checkpoint
 from lightning_parallel.parallel.adapter import ModelAdapter
 from lightning_parallel.parallel.data import data_axis_mesh, shard_data_axis, uses_data_axis
@@ -64,6 +64,7 @@ from lightning_parallel.parallel.tensor.plan import (
     resolve_plan,
     validate_tensor_parallel,
 )
+from lightning_parallel.parallel.token_axes import ExpertAxis, apply_context, apply_experts, batch_splits
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -144,14 +145,9 @@ def check_module(
     if layout.context_parallel_enabled:
         adapter.check_context_parallel(options.context_parallel_method, layout.context_parallel, layout.tensor_parallel)
     adapter.check_batch_split(batch_splits(layout))
+    if layout.expert_parallel > 1:
+        adapter.check_expert_parallel(layout.expert_parallel)
     return check_tensor(module, layout, options, adapter=adapter)
-
-
-def batch_splits(layout: ParallelLayout) -> list[str]:
-    """How ``layout`` splits each global batch, as the settings that do it (for loss checks and messages)."""
-    sizes = [("data_parallel_size", layout.data_parallel), ("pipeline_parallel_size", layout.pipeline_parallel),
-             ("context_parallel_size", layout.context_parallel)]
-    return [f"{name}={size}" for name, size in sizes if size > 1]
 
 
 def check_activation_checkpointing(
@@ -263,8 +259,11 @@ def _wrap_data_axis(module: nn.Module, layout: ParallelLayout, options: Parallel
     # (4) zero_stage=0 keeps its parameters in their own dtype (no FSDP2 cast); reductions are fp32.
     policy = fsdp_policy(precision, options, layout)
     roots = stages or adapter.data_axis_roots()
+    from lightning_parallel.parallel.experts.sharded import expert_parameters
+
+    experts = {p for _, p in expert_parameters(module)}  # reduced over the expert-data group, not here
     shard_data_axis(_data_axis_layers(module, split, adapter), roots, dp_mesh, options.zero_stage, policy,
-                    options.bucket_bytes, options.fsdp_prefetch, options.offload)
+                    options.bucket_bytes, options.fsdp_prefetch, options.offload, experts)
 
 
 def parallelize(
@@ -279,6 +278,7 @@ def parallelize(
     data_mesh: Optional[DeviceMesh] = None,
     adapter: Optional[ModelAdapter] = None,
     materialization: Optional[Materialization] = None,
+    experts: Optional[ExpertAxis] = None,
 ) -> Parallelized:
     """Split, shard and wrap ``module`` in place for this rank of ``layout`` (the order: the module docstring);
     returns a :class:`Parallelized` describing the result.
@@ -297,6 +297,7 @@ def parallelize(
             with data parallelism and for HSDP (:func:`~lightning_parallel.parallel.data.data_axis_mesh`).
         adapter: the model's adapter, resolved once by the strategy (default: ``ModelAdapter.resolve(module)``).
         materialization: device and seed for a model built on ``meta`` (required for one).
+        experts: the expert mesh and token group (required with ``layout.expert_parallel > 1``).
 
     Raises:
         ValueError: ``module`` was parallelised before, is on ``meta`` without ``materialization``, or any
@@ -308,7 +309,8 @@ def parallelize(
     pipe, plan = _check_whole(module, layout, options, adapter)
     split, stages, stage_ids, last, tied = _cut(module, layout, options, rank, layer_times, pipe, on_split)
     _apply_local_plan(module, layout, mesh, plan, adapter)
-    context_split = _apply_context(module, layout, mesh, options, adapter)
+    context_split = apply_context(module, layout, mesh, options, adapter)
+    apply_experts(module, layout, experts, adapter)
     checkpoint_activations(module, options.activation_checkpointing, split, adapter=adapter)
     _wrap_data_axis(module, layout, options, (mesh, data_mesh), split, stages, precision, adapter)
     if init_plan is not None:  # (7) only now is anything allocated: this rank's share
@@ -327,20 +329,9 @@ def _check_whole(module: nn.Module, layout: ParallelLayout, options: ParallelOpt
     if layout.context_parallel_enabled:  # on the whole model: a pipeline rank's share may hold no attention
         adapter.check_context_parallel(options.context_parallel_method, layout.context_parallel, layout.tensor_parallel)
     adapter.check_batch_split(batch_splits(layout))
+    if layout.expert_parallel > 1:
+        adapter.check_expert_parallel(layout.expert_parallel)
     return pipe, plan
-
-
-def _apply_context(module: nn.Module, layout: ParallelLayout, mesh: DeviceMesh, options: ParallelOptions,
-                   adapter: ModelAdapter) -> Optional[SequenceSplit]:
-    """Step 2's second half: the adapter makes the attention this rank holds see the whole sequence."""
-    if not layout.context_parallel_enabled:
-        return None
-    from lightning_parallel.parallel.context.plan import ContextGroup
-
-    axis = mesh[CONTEXT_PARALLEL]
-    context = ContextGroup(axis.get_group(), layout.context_parallel, axis.get_local_rank(),
-                           options.context_parallel_method)
-    return adapter.apply_context_parallel(module, context)
 
 
 def _cut(module: nn.Module, layout: ParallelLayout, options: ParallelOptions, rank: int,

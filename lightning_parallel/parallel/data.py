@@ -135,6 +135,7 @@ def shard_data_axis(
     bucket_bytes: int = 0,
     prefetch: Optional[int] = None,
     offload: str = "none",
+    ignored: Optional[set] = None,
 ) -> None:
     """Apply FSDP2 ``fully_shard`` per layer (or bucket of layers), then to each root, over the data mesh.
 
@@ -156,12 +157,16 @@ def shard_data_axis(
             root in forward, and of as many preceding ones in backward (see :func:`set_prefetch`);
             None: FSDP2's default. Needs one unit per layer (``bucket_bytes=0``, as under ZeRO 2/3).
         offload: ``"none"`` or ``"params"`` (:func:`offload_policy`; ``ParallelOptions.offload``).
+        ignored: parameters FSDP2 leaves alone (experts sharded over the expert axis, whose gradients are
+            reduced over the expert-data group instead: ``parallel.experts.sharded.reduce_expert_gradients``).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs = {"mesh": dp_mesh, "reshard_after_forward": zero_stage == 3,
               "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
               "offload_policy": offload_policy(offload, dp_mesh.device_type)}
+    if ignored:
+        kwargs["ignored_params"] = set(ignored)
     units = _layers_by_root([layer for layer in layers if has_parameters(layer)], roots)
     for group in units:
         # A bucket never spans two roots (a rank's interleaved stages): a shared unit fails their lazy init.

@@ -141,6 +141,9 @@ class ParallelOptions:
         context_parallel_method: how attention sees the other ranks' keys: ``"ring"`` (key/value blocks
             travel around the context group; any head count) or ``"ulysses"`` (all-to-all from sequence to
             head shards around an unchanged attention kernel; heads per tensor rank divisible by the size).
+        expert_parallel_size: ranks sharing each mixture-of-experts layer's experts (``E / size`` each), borrowed
+            from the data x context ranks (must divide them); tokens travel to their experts by all-to-all
+            (:mod:`lightning_parallel.parallel.experts`); 1: every rank holds every expert.
 
     Raises:
         ValueError: any option that cannot work, naming the fix.
@@ -170,6 +173,7 @@ class ParallelOptions:
     offload: str = "none"
     context_parallel_size: Size = 1
     context_parallel_method: str = "ring"
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
@@ -266,6 +270,10 @@ class ParallelOptions:
 
     def _check_context(self) -> None:
         check_size("context_parallel_size", self.context_parallel_size)  # "auto": what the other sizes leave
+        if self.expert_parallel_size == "auto":
+            raise ValueError("expert_parallel_size='auto' is not supported: give the ranks that share each layer's "
+                             "experts (a divisor of data x context size; 1: off).")
+        check_size("expert_parallel_size", self.expert_parallel_size)
         if self.context_parallel_method not in CONTEXT_METHODS:
             raise ValueError(f"Unknown context_parallel_method={self.context_parallel_method!r}: use 'ring' (any head "
                              "count) or 'ulysses' (all-to-all; heads divisible by tensor x context size).")
@@ -322,7 +330,7 @@ class ParallelOptions:
         return (self.schedule, self.stages_per_rank, self.partition, self.zero_stage, self.sequence_parallel,
                 self.loss_parallel, repr(self.plan), self.activation_checkpointing, self.param_dtype, self.reduce_dtype,
                 self.data_replicate_size, self.data_shard_size, self.bucket_size_mb, self.fsdp_prefetch,
-                self.offload, self.context_parallel_size, self.context_parallel_method)
+                self.offload, self.context_parallel_size, self.context_parallel_method, self.expert_parallel_size)
 
 
 def option_names() -> tuple[str, ...]:

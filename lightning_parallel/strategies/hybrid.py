@@ -31,9 +31,13 @@ from lightning_parallel.adapters import ModelAdapter
 from lightning_parallel.checkpoints import optimizer_state_dict, resolve_checkpoint, save_sharded_checkpoint
 from lightning_parallel.checkpoints.lightning.writer import parameter_order_entry
 from lightning_parallel.checkpoints.resume import resume_from
-from lightning_parallel.layout import DATA_CONTEXT, DATA_PARALLEL, PIPELINE_PARALLEL, ParallelLayout, run_mesh
+from lightning_parallel.layout import (
+    PIPELINE_PARALLEL,
+    ParallelLayout,
+)
 from lightning_parallel.parallel.compose import Parallelized, check_module, parallelize
-from lightning_parallel.parallel.data import build_data_mesh, deferred_gradient_sync
+from lightning_parallel.parallel.data import deferred_gradient_sync
+from lightning_parallel.parallel.experts.sharded import reduce_expert_gradients
 from lightning_parallel.parallel.materialize import Materialization
 from lightning_parallel.parallel.options import ParallelOptions, options_from
 from lightning_parallel.parallel.pipeline import tied as pipeline_tied
@@ -43,6 +47,7 @@ from lightning_parallel.parallel.precision import check_precision
 from lightning_parallel.strategies import executors
 from lightning_parallel.strategies.clipping import GlobalNormClipping
 from lightning_parallel.strategies.layer_timing import agreed_layer_times
+from lightning_parallel.strategies.meshes import RunMeshes
 from lightning_parallel.strategies.resolved_adapter import resolved_adapter
 from lightning_parallel.strategies.timeouts import CollectiveTimeout, names_timeouts
 
@@ -50,7 +55,8 @@ __all__ = ["CollectiveTimeout", "HybridParallelStrategy"]
 
 # How the strategy's arguments are spelled in layout errors.
 _SIZE_NAMES = {"data_parallel": "data_parallel_size", "pipeline_parallel": "pipeline_parallel_size",
-               "tensor_parallel": "tensor_parallel_size", "context_parallel": "context_parallel_size"}
+               "tensor_parallel": "tensor_parallel_size", "context_parallel": "context_parallel_size",
+               "expert_parallel": "expert_parallel_size"}
 
 
 class HybridParallelStrategy(ModelParallelStrategy):
@@ -112,8 +118,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.layout: Optional[ParallelLayout] = None
         self.parallelized: Optional[Parallelized] = None
         self._mesh: Any = None
-        self._data_mesh: Any = None  # the data axis unflattened (replicate, shard), when FSDP2 needs it
-        self._root_mesh: Any = None  # (data[_context], pipeline, tensor): the mesh every other one is a view of
+        self._meshes: Optional[RunMeshes] = None  # every mesh and group of the run (strategies/meshes.py)
         self._parallelized_module: Optional[weakref.ref] = None
         self._executor: executors.DirectExecutor = executors.DirectExecutor()
 
@@ -134,7 +139,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
                                       o.tensor_parallel_size, names=names or _SIZE_NAMES,
                                       num_nodes=num_nodes or self.num_nodes,
                                       data_replicate=o.data_replicate_size, data_shard=o.data_shard_size,
-                                      context_parallel=context)
+                                      context_parallel=context, expert_parallel=o.expert_parallel_size)
 
     def startup_rows(self, layout: ParallelLayout) -> dict[str, str]:
         """Strategy rows of the start-up table (see :mod:`lightning_parallel.cli.report`)."""
@@ -150,14 +155,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         return self._mesh
 
     def loss_group(self) -> tuple[Optional[Any], int]:
-        """``(group, size)`` of the ranks a loss is averaged over and gradients are reduced over: the data
-        replicas, times the context ranks that each hold a share of every sequence; ``(None, 1)`` when alone."""
-        layout = self.layout
-        if layout.context_parallel_enabled:
-            return self._root_mesh[DATA_CONTEXT].get_group(), layout.data_context
-        if layout.data_parallel_enabled:
-            return self.device_mesh[DATA_PARALLEL].get_group(), layout.data_parallel
-        return None, 1
+        """``(group, size)`` of the ranks a loss is averaged over (data x context; see ``RunMeshes.loss_group``)."""
+        return self._meshes.loss_group()
 
     @property
     def pipeline_split(self) -> Optional[PipelineSplit]:
@@ -190,9 +189,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         # NCCL (torchtitan's "cuda:nccl,cpu:gloo" under FSDP2 CPU offload).
         cpu_too = self.options.offload != "none" and self.root_device.type == "cuda"
         _compat.init_model_parallel_process_group(self, "cuda:nccl,cpu:gloo" if cpu_too else None)
-        root = self._root_mesh = self.layout.build_mesh(self.root_device.type)
-        self._mesh = run_mesh(self.layout, root)  # 4-D (data, context, pipeline, tensor) under context parallelism
-        self._data_mesh = build_data_mesh(self.layout, root, self.options.zero_stage)
+        self._meshes = RunMeshes.build(self.layout, self.root_device.type, self.options.zero_stage)
+        self._mesh = self._meshes.run  # 4-D (data, context, pipeline, tensor) under context parallelism
         _compat.set_module_device_mesh(self.lightning_module, self._mesh)
 
     @property
@@ -250,8 +248,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
                            "the whole model before the split; build it in configure_model() to hold only its share.")
         self.parallelized = parallelize(
             module, layout, self.device_mesh, self.options, self.global_rank, times, on_split=self._print_split,
-            precision=str(self.precision_plugin.precision), data_mesh=self._data_mesh, adapter=adapter,
-            materialization=Materialization(self.root_device, seed),
+            precision=str(self.precision_plugin.precision), data_mesh=self._meshes.data, adapter=adapter,
+            materialization=Materialization(self.root_device, seed), experts=self._meshes.experts,
         )
         self._parallelized_module = weakref.ref(module)
 
@@ -303,8 +301,19 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     @names_timeouts("optimizer_step (global-norm clipping, non-finite check)")
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        # The data axis needs nothing here: FSDP2 reduced the gradients during the last backward.
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # The data axis needs nothing here: FSDP2 reduced the gradients during the last backward. Experts sharded
+        # over the expert axis are left out of it: their gradients (the accumulation window's sum) are reduced
+        # over the expert-data group after the closure's backward, before clipping sees them.
+        experts = self._meshes.experts
+        if experts is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_reduce() -> Any:
+            result = closure()
+            reduce_expert_gradients(self.lightning_module, experts.expert_data_group, self.layout.data_context)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
 
     @override
     @contextmanager

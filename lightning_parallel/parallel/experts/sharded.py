@@ -17,7 +17,7 @@ Note:
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -70,17 +70,30 @@ class ExpertParallel(nn.Module):
         capacity_group: the ranks whose batches together are the one-process batch that capacity is shared over
             (default ``group``; the whole data group when the expert group is a part of it).
         kernel: torch's grouped GEMM (through ``_compat``); None runs the loop.
+        mesh: the expert group as a 1-D ``DeviceMesh``: the slices become ``Shard(0)`` DTensors of the full
+            ``[E, ...]`` weights on it (what the strategies pass), so checkpoints hold every expert under its
+            unsharded name and load under any expert size, the global gradient norm sums every rank's
+            experts, and a ``meta``-built model materialises each rank's experts as one process initialises
+            them. None: plain ``[E/ep, ...]`` tensors.
     """
 
     def __init__(self, experts: nn.Module, group: dist.ProcessGroup,
-                 capacity_group: Optional[dist.ProcessGroup] = None, kernel: Optional[Kernel] = None) -> None:
+                 capacity_group: Optional[dist.ProcessGroup] = None, kernel: Optional[Kernel] = None,
+                 mesh: Optional[Any] = None) -> None:
         super().__init__()
         self.num_experts = experts.num_experts
         self.first, self.end = expert_range(self.num_experts, group)
         self.group, self.capacity_group, self.kernel = group, capacity_group or group, kernel
         for name in EXPERT_WEIGHTS:
-            full = getattr(experts, name)
-            self.register_parameter(name, nn.Parameter(full.detach()[self.first:self.end].clone()))
+            local = getattr(experts, name).detach()[self.first:self.end]
+            local = local if local.is_meta else local.clone()
+            if mesh is not None:
+                from torch.distributed.tensor import DTensor, Shard
+
+                full = getattr(experts, name)
+                local = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape,
+                                           stride=full.stride())
+            self.register_parameter(name, nn.Parameter(local))
         self.expert_mlp = experts.expert_mlp
         self._template = [experts.to("meta")]  # a list: not a submodule, so not among this module's parameters
 
@@ -90,7 +103,7 @@ class ExpertParallel(nn.Module):
         full.reset_parameters()
         with torch.no_grad():
             for name in EXPERT_WEIGHTS:
-                getattr(self, name).copy_(getattr(full, name)[self.first:self.end])
+                _local(getattr(self, name)).copy_(getattr(full, name)[self.first:self.end])
 
     def keep(self, counts: Tensor, tokens: int, capacity: Capacity) -> Tensor:
         """Copies kept per expert, decided over ``capacity_group`` as one process would (:func:`global_keep`).
@@ -107,8 +120,13 @@ class ExpertParallel(nn.Module):
 
     def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
         local, route = dispatch_sorted(rows, counts, self.group)
-        out = self.expert_mlp(local, route.local_counts, self.w_up, self.w_down, self._mm)
+        out = self.expert_mlp(local, route.local_counts, _local(self.w_up), _local(self.w_down), self._mm)
         return combine_sorted(out, route, self.group)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's slice: a DTensor's local part (differentiable), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def expert_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -131,7 +149,7 @@ def reduce_expert_gradients(module: nn.Module, expert_data_group: Optional[dist.
         expert_data_group: the ranks holding the same experts (None when there is one).
         data_ranks: ``D``, the ranks dense gradients are averaged over (expert-parallel ranks included).
     """
-    grads = [p.grad for _, p in expert_parameters(module) if p.grad is not None]
+    grads = [_local(p.grad) for _, p in expert_parameters(module) if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all experts of the model

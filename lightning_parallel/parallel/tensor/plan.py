@@ -132,7 +132,7 @@ def resolve_plan(
             ``None`` (remove); for example the strategy's ``plan`` from Hydra.
         sequence_parallel: shard norms and the residual stream along the sequence (dim 1).
         loss_parallel: keep the LM head's logits vocabulary-sharded for
-            :func:`loss_parallel_context`'s cross-entropy.
+            :func:`loss_parallel_context`'s cross-entropy (only the head's: see :func:`loss_head`).
         adapter: answers where the base plan comes from (default: ``ModelAdapter.resolve(module)``).
 
     Returns:
@@ -145,16 +145,33 @@ def resolve_plan(
             submodule different styles.
     """
     merged = _merge(module, overrides, sequence_parallel, adapter or ModelAdapter.resolve(module))
+    ordered = {name: merged[name][1] for name, _ in module.named_modules() if name in merged}
+    head = loss_head(ordered) if loss_parallel else None
     plan: dict[str, ParallelStyle] = {}
     for name, submodule in module.named_modules():
         if name in merged:
             if isinstance(merged[name][1], RefusedStyle):
                 raise merged[name][1].error(name)
-            style = to_style(name, submodule, merged[name][1], sequence_parallel, loss_parallel)
+            style = to_style(name, submodule, merged[name][1], sequence_parallel, name == head)
             if style is not None:
                 plan[name] = style
     _check_gathered_inputs(merged, plan)
     return plan
+
+
+def loss_head(plan: Mapping[str, PlanValue]) -> Optional[str]:
+    """The entry whose logits stay vocabulary-sharded under ``loss_parallel``: the last ``colwise_gather`` entry
+    of ``plan`` (concrete names in the module's order) outside the repeated blocks.
+
+    Note:
+        ``colwise_gather`` also plans fused projections inside the blocks (Phi-3's ``qkv_proj`` and ``gate_up_proj``
+        under transformers' ``colwise_gather_output``): their outputs are split and multiplied with plain tensors,
+        so they must be gathered as without loss parallelism. A block is a numbered entry of a module list
+        (``layers.3.mlp.gate_up_proj``); the LM head is not inside one.
+    """
+    candidates = [name for name, value in plan.items()
+                  if value == "colwise_gather" and not any(part.isdigit() for part in name.split("."))]
+    return candidates[-1] if candidates else None
 
 
 def _check_gathered_inputs(merged: Mapping[str, tuple[str, PlanValue]], plan: Mapping[str, ParallelStyle]) -> None:
