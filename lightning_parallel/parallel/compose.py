@@ -287,21 +287,18 @@ def parallelize(
         module: the whole model in its training precision, on its device or on ``meta`` (then only this
             rank's share is ever allocated: ``materialization`` says where and from which seed).
         layout: the resolved layout.
-        mesh: the 3-D mesh ``layout.build_mesh`` made (axes data, pipeline, tensor).
-        options: the run's options.
-        rank: this process's global rank.
-        layer_times: per-layer seconds for ``partition="time"`` (the same on every rank).
-        on_split: called with the pipeline split once it is known (the strategy prints it).
+        mesh: the run's mesh (``layout.run_mesh``: data[, context], pipeline, tensor).
+        options, rank: the run's options; this process's global rank.
+        layer_times, on_split: per-layer seconds for ``partition="time"`` (the same on every rank); called
+            with the pipeline split once it is known (the strategy prints it).
         precision: the Trainer's precision name; decides FSDP2's mixed-precision policy.
-        data_mesh: ``mesh``'s data axis unflattened to ``(data_replicate, data_shard)``, for ``zero_stage=0``
-            with data parallelism and for HSDP (:func:`~lightning_parallel.parallel.data.data_axis_mesh`).
+        data_mesh: FSDP2's data mesh (:func:`~lightning_parallel.parallel.data.build_data_mesh`), or None.
         adapter: the model's adapter, resolved once by the strategy (default: ``ModelAdapter.resolve(module)``).
         materialization: device and seed for a model built on ``meta`` (required for one).
-        experts: the expert mesh and token group (required with ``layout.expert_parallel > 1``).
+        experts: the expert mesh and groups (required with ``layout.expert_parallel > 1``).
 
     Raises:
-        ValueError: ``module`` was parallelised before, is on ``meta`` without ``materialization``, or any
-            check of :func:`check_module`.
+        ValueError: parallelised before, on ``meta`` without ``materialization``, or any :func:`check_module`.
     """
     _refuse_parallelized(module)
     adapter = adapter or ModelAdapter.resolve(module)

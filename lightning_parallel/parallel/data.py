@@ -140,25 +140,20 @@ def shard_data_axis(
     """Apply FSDP2 ``fully_shard`` per layer (or bucket of layers), then to each root, over the data mesh.
 
     Args:
-        layers: the model's pipeline layers (each becomes its own FSDP unit: parameters are
-            gathered, and gradients reduced during backward, one layer at a time); layers of
-            other stages hold no parameters and are skipped.
-        roots: the modules that take the remaining parameters: the whole model, or under
-            pipelining each local stage module (so ``PipelineStage`` sees an FSDP module and
-            controls gradient synchronisation per micro-batch).
-        dp_mesh: the 1-D data mesh (FSDP) or the 2-D ``(data_replicate, data_shard)`` mesh
-            (HSDP; ``zero_stage=0`` passes shard groups of one rank).
-        zero_stage: 0 (replicated) or 2 (parameters kept gathered after forward) or 3
-            (parameters resharded after forward).
+        layers: the model's pipeline layers (each its own FSDP unit: parameters gathered, gradients reduced
+            during backward, one layer at a time); layers of other stages hold no parameters and are skipped.
+        roots: the modules that take the remaining parameters: the whole model, or under pipelining each local
+            stage module (so ``PipelineStage`` controls gradient synchronisation per micro-batch).
+        dp_mesh: the 1-D data mesh or the 2-D ``(data_replicate, data_shard)`` one (HSDP; zero 0: shards of 1).
+        zero_stage: 0 (replicated), 2 (kept gathered after forward) or 3 (resharded after forward).
         mp_policy: FSDP2's ``MixedPrecisionPolicy`` (None: FSDP2's default, full precision).
-        bucket_bytes: consecutive layers join one FSDP2 unit (one collective) until their
-            parameters reach this many bytes, as DDP fills its buckets; 0: one unit per layer.
+        bucket_bytes: consecutive layers join one FSDP2 unit until their parameters reach this many bytes
+            (as DDP fills its buckets); 0: one unit per layer.
         prefetch: each layer prefetches the all-gathers of this many following layers of its
             root in forward, and of as many preceding ones in backward (see :func:`set_prefetch`);
             None: FSDP2's default. Needs one unit per layer (``bucket_bytes=0``, as under ZeRO 2/3).
         offload: ``"none"`` or ``"params"`` (:func:`offload_policy`; ``ParallelOptions.offload``).
-        ignored: parameters FSDP2 leaves alone (experts sharded over the expert axis, whose gradients are
-            reduced over the expert-data group instead: ``parallel.experts.sharded.reduce_expert_gradients``).
+        ignored: parameters FSDP2 leaves alone (experts: reduced over the expert-data group instead).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
