@@ -9,10 +9,11 @@ over the ranks, so it is the one-process loss on the same global batch.
 
 from functools import partial
 
+import lightning.pytorch as pl
 import pytest
 
 from lightning_parallel.strategies import HybridParallelStrategy as Hybrid
-from lightning_parallel.testing import run_processes
+from lightning_parallel.testing import LossHistory, run_processes
 from tests.distributed.parity_runs import fit_cases, tiny_gpt
 from tests.distributed.strategies.parity import assert_parity, reference_losses
 
@@ -84,3 +85,48 @@ def test_experts_are_sharded_and_unreduced_expert_gradients_are_caught():
     reference = reference_losses({"unreduced": _case(4)})["unreduced"]
     diffs = [max(abs(a - b) for a, b in zip(r["unreduced"], reference)) for r in per_rank]
     assert min(diffs) > 1e-4, f"expert gradients left unreduced went unnoticed: {diffs}"
+
+
+class _Dropped(pl.Callback):
+    """Records the logged count of dropped token copies (summed over ranks) after every batch."""
+
+    def __init__(self):
+        self.dropped = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.dropped.append(float(trainer.callback_metrics["moe_dropped"]))
+
+
+def _dropped_counts(rank, world_size, options, rank_order=1):
+    """Dropped copies per step of a capacity-limited run; ``rank_order=D``: one process reading each global batch
+    in the order the D data ranks' shares concatenate (rank 0's samples, then rank 1's, ...)."""
+    from torch.utils.data import Subset
+
+    from lightning_parallel.testing.fit import quiet_trainer
+    from lightning_parallel.testing.models import FixedOrderData
+    from tests.distributed.parity_runs import padded_text_dataset
+
+    pl.seed_everything(0, verbose=False)
+    counter, history = _Dropped(), LossHistory()
+    strategy = Hybrid(**options) if options else "auto"
+    trainer = quiet_trainer(world_size, strategy, 4, [counter, history], **CLIP)
+    samples = padded_text_dataset(256, 16)
+    if rank_order > 1:  # the data ranks interleave samples: rank r of D holds samples r, r + D, r + 2D, ...
+        order = [b + r + i * rank_order for b in range(0, 256, 8) for r in range(rank_order)
+                 for i in range(8 // rank_order)]
+        samples = Subset(samples, order)
+    data = FixedOrderData(samples, batch_size=8 // world_size)
+    trainer.fit(moe_gpt(capacity_factor=1.0), datamodule=data)
+    return counter.dropped, history.losses
+
+
+def test_a_capacity_limited_run_drops_the_tokens_one_process_drops():
+    """Capacity is decided over the global batch in data-rank order (each expert keeps the copies of the lowest
+    (rank, token) first): the same copies one process drops reading the batch in that order, so the dropped
+    counts and the losses are one process's."""
+    dropped, losses = run_processes(_dropped_counts, 1, None, 2)[0]
+    assert sum(dropped) > 0  # capacity 1.0 with top-2 of 4 experts drops some copies
+    options = dict(data_parallel_size=2, expert_parallel_size=2)
+    for rank, (counts, run) in enumerate(run_processes(_dropped_counts, 2, options, timeout=600)):
+        assert counts == dropped, f"rank {rank}: dropped {counts}, one process {dropped}"
+        assert max(abs(a - b) for a, b in zip(run, losses)) < 1e-5, f"rank {rank}: {run} vs {losses}"
