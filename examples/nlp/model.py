@@ -272,11 +272,23 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
         loss = self.global_token_mean(batch)
         self.log("train_loss", loss, prog_bar=True)
         if blocks:
+            self._log_expert_load(blocks)
             aux, dropped = model_balancing_loss(self, mean=self._mean_over_ranks)
             self.log("moe_aux_loss", aux)
             self.log("moe_dropped", dropped, reduce_fx="sum", sync_dist=True)
             loss = loss + aux
         return loss
+
+    def _log_expert_load(self, blocks: list[nn.Module]) -> None:
+        """Tokens per expert of this step (over all ranks): ``moe_imbalance`` (busiest expert / mean, worst block)
+        to every logger, and each block's histogram to TensorBoard."""
+        loads = [self._mean_over_ranks(sum(s.counts for s in block.routing_stats).float()) for block in blocks]
+        self.log("moe_imbalance", max(float(load.max() / load.mean().clamp_min(1e-9)) for load in loads))
+        add_histogram = getattr(getattr(self.logger, "experiment", None), "add_histogram", None)
+        if callable(add_histogram) and self.global_rank == 0:
+            for index, load in enumerate(loads):
+                experts = torch.arange(load.numel(), dtype=torch.float32).repeat_interleave(load.round().long().cpu())
+                add_histogram(f"moe/block{index}/tokens_per_expert", experts, self.global_step)
 
     def _mean_over_ranks(self, tensor: Tensor) -> Tensor:
         return self.trainer.strategy.reduce(tensor, reduce_op="mean")

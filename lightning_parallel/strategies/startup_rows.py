@@ -25,6 +25,10 @@ def layout_rows(options: ParallelOptions, layout: ParallelLayout, precision: str
     if layout.context_parallel_enabled:
         rows["context"] = (f"{layout.context_parallel} ranks split every sequence ({o.context_parallel_method}; "
                            "head-tail chunks for causal balance)")
+    if layout.expert_parallel > 1:
+        rows["experts"] = (f"{layout.expert_parallel} ranks share each MoE layer's experts (all-to-all token "
+                           f"dispatch); gradients summed over {layout.data_context // layout.expert_parallel} "
+                           "holding the same experts")
     if layout.tensor_parallel_enabled:
         rows["tensor"] = f"sequence_parallel={o.sequence_parallel}, loss_parallel={o.loss_parallel}"
     rows["data"] = ZERO_DESCRIPTIONS[o.zero_stage] + (
