@@ -103,3 +103,38 @@ def fit_cases(rank: int, world_size: int, cases: dict[str, dict]) -> dict[str, l
         cases: name -> keyword arguments of :func:`fit_losses` (without rank/world_size).
     """
     return {name: fit_losses(rank, world_size, **kwargs) for name, kwargs in cases.items()}
+
+
+def fit_text_epochs(model_factory, world_size, strategy, epochs, *, batches, global_batch, data_parallel,
+                    callbacks=(), ckpt_path=None):
+    """Fit ``model_factory()`` on the first ``batches`` global batches of padded byte windows for whole epochs
+    (a checkpoint at an epoch's end resumes onto the batches of one uninterrupted run); returns every batch's
+    global loss.
+
+    Args:
+        model_factory: builds the model (seeded).
+        world_size: processes.
+        strategy: a strategy object or ``"auto"``.
+        epochs: ``max_epochs`` (on resume: the total).
+        batches: global batches per epoch.
+        global_batch: samples per step over the data-parallel ranks.
+        data_parallel: data-parallel ranks (the per-rank batch is ``global_batch / data_parallel``).
+        callbacks: further callbacks (checkpointing is on only with some).
+        ckpt_path: resume from this checkpoint.
+    """
+    from torch.utils.data import Subset
+
+    from lightning_parallel.testing.models import FixedOrderData
+    from lightning_parallel.testing.parity import LossHistory
+
+    pl.seed_everything(0, verbose=False)
+    history = LossHistory()
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=epochs,
+                         limit_val_batches=0, logger=False, enable_checkpointing=bool(callbacks),
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                         callbacks=[history, *callbacks], gradient_clip_val=0.5)
+    samples = Subset(padded_text_dataset(256, 16), range(batches * global_batch))
+    trainer.fit(model_factory(), datamodule=FixedOrderData(samples, batch_size=global_batch // data_parallel),
+                ckpt_path=ckpt_path)
+    return history.losses
+

@@ -9,13 +9,10 @@ from pathlib import Path
 
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import Subset
 
 from lightning_parallel.strategies import HybridParallelStrategy as Hybrid
 from lightning_parallel.testing import max_abs_difference, run_processes
-from lightning_parallel.testing.models import FixedOrderData
-from lightning_parallel.testing.parity import LossHistory
-from tests.distributed.parity_runs import padded_text_dataset, tiny_gpt
+from tests.distributed.parity_runs import fit_text_epochs, tiny_gpt
 
 pytestmark = pytest.mark.slow
 
@@ -23,17 +20,8 @@ BATCHES, BATCH = 4, 8  # batches per epoch, global batch (one data replica: ever
 
 
 def _fit(world_size, strategy, epochs, callbacks=(), ckpt_path=None):
-    import lightning.pytorch as pl
-
-    pl.seed_everything(0, verbose=False)
-    history = LossHistory()
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=epochs,
-                         limit_val_batches=0, logger=False, enable_checkpointing=bool(callbacks),
-                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                         callbacks=[history, *callbacks], gradient_clip_val=0.5)
-    data = FixedOrderData(Subset(padded_text_dataset(256, 16), range(BATCHES * BATCH)), batch_size=BATCH)
-    trainer.fit(tiny_gpt(), datamodule=data, ckpt_path=ckpt_path)
-    return history.losses
+    return fit_text_epochs(tiny_gpt, world_size, strategy, epochs, batches=BATCHES, global_batch=BATCH,
+                           data_parallel=1, callbacks=callbacks, ckpt_path=ckpt_path)
 
 
 def _uninterrupted(rank, world_size):
