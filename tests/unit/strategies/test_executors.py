@@ -26,9 +26,11 @@ def _holder(accumulation: int = 1) -> nn.Module:
     return holder
 
 
-def _strategy(module: nn.Module) -> SimpleNamespace:
+def _strategy(module: nn.Module, data_parallel: int = 2) -> SimpleNamespace:
     mesh = {DATA_PARALLEL: SimpleNamespace(get_group=lambda: None)}
-    return SimpleNamespace(lightning_module=module, device_mesh=mesh, global_rank=0)
+    # loss_group: the ranks losses average over (data x context); None: the default group in these tests
+    return SimpleNamespace(lightning_module=module, device_mesh=mesh, global_rank=0,
+                           loss_group=lambda: (None, data_parallel))
 
 
 def _parallelized(data_parallel: int) -> SimpleNamespace:
@@ -39,7 +41,7 @@ def _parallelized(data_parallel: int) -> SimpleNamespace:
 @pytest.mark.parametrize(("data_parallel", "weighted"), [(1, False), (2, True)])
 def test_direct_executor_token_weights_a_causal_lm_under_data_parallelism(data_parallel, weighted):
     module = _holder()
-    executor = choose_executor(_strategy(module), _parallelized(data_parallel))
+    executor = choose_executor(_strategy(module, data_parallel), _parallelized(data_parallel))
     assert type(executor) is DirectExecutor
     assert isinstance(executor.weighting, TokenWeightedLoss) is weighted
     if weighted:
@@ -53,7 +55,7 @@ def test_a_module_without_a_hugging_face_model_is_not_weighted():
     assert choose_executor(_strategy(plain), _parallelized(2)).weighting is None
 
 
-def test_weighting_is_active_during_the_training_step_only():
+def test_weighting_is_active_during_training_and_evaluation_steps_only():
     module = _holder()
     calls: list[float] = []
 
@@ -68,5 +70,7 @@ def test_weighting_is_active_during_the_training_step_only():
     assert len(calls) == 2  # the count before forward, the shared value after
     with torch.no_grad():
         assert abs(float(loss) - float(module.model(**batch).loss)) < 1e-6  # two equal ranks: the same mean
-        executor.evaluation_step(lambda: module.model(**batch).loss, batch, "val_loss")
-    assert len(calls) == 2  # evaluation and calls outside a step run no collective
+        assert len(calls) == 2  # a call outside a step runs no collective
+        value = executor.evaluation_step(lambda: module.model(**batch).loss, batch, "val_loss")
+    assert len(calls) == 4  # a validation loss is the global token mean too
+    assert abs(float(value) - float(loss)) < 1e-6
