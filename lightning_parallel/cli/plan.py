@@ -6,6 +6,9 @@
         scaling=fixed_global_batch scaling.reference.global_batch_size=512 data.batch_size=1
     lp-plan --shape llama3-8b --seq-len 131072 --cluster h100_node --devices 8 \\
         scaling=fixed_global_batch scaling.reference.global_batch_size=1 data.batch_size=1   # context parallel wins
+    lp-plan --shape mixtral-8x7b --seq-len 4096 --cluster h100_cluster --devices 32 \\
+        scaling=fixed_global_batch scaling.reference.global_batch_size=64 data.batch_size=1  # experts sharded
+    lp-plan --shape path/to/config.json ...                         # a Hugging Face decoder's config values
 
 Arguments that are not options are Hydra overrides, as for ``lp-train``. The last line printed
 is the winning overrides, to paste after ``lp-train``.
@@ -67,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for lp-train")
     parser.add_argument("--cluster", default="cpu", help="a file of conf/cluster/ (without .yaml) or a YAML path")
     parser.add_argument("--devices", type=int, help="processes in all (default: trainer.devices x trainer.num_nodes)")
-    parser.add_argument("--shape", help="plan a published shape instead of the config's model: llama3-8b, llama3-70b")
+    parser.add_argument("--shape", help="plan a published shape instead of the config's model: llama3-8b, "
+                        "llama3-70b, mixtral-8x7b, olmoe-1b-7b, qwen3-30b-a3b, or a Hugging Face config.json path")
     parser.add_argument("--seq-len", type=int, default=8192, help="tokens per sample of --shape")
     parser.add_argument("--top", type=int, default=10, help="ranked rows to show")
     parser.add_argument("--measure", type=int, default=0, metavar="K",
@@ -81,12 +85,16 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, Any, int]:
     """The plan the command line asks for, the composed config, and the device count per node."""
     from lightning_parallel.cli.preflight import world_size_of
     from lightning_parallel.planner.cluster import load_cluster
-    from lightning_parallel.planner.shapes import llama3_shape
+    from lightning_parallel.planner.hf_shapes import named_shape
+    from lightning_parallel.planner.shapes import LLAMA3, llama3_shape
 
     cfg = compose(list(args.overrides))
     world = args.devices or world_size_of(cfg)
     cluster = load_cluster(args.cluster, CONFIG_DIR)
-    shape = llama3_shape(args.shape, args.seq_len) if args.shape else shape_of(cfg)
+    if args.shape:
+        shape = (llama3_shape if args.shape in LLAMA3 else named_shape)(args.shape, args.seq_len)
+    else:
+        shape = shape_of(cfg)
     checkpointing = ("none", "full", "selective") if args.shape else checkpointing_modes()
     space = SearchSpace(deepspeed_stages=() if args.no_deepspeed else (1, 2, 3), checkpointing=checkpointing)
     per_node = min(world, cluster.devices_per_node)

@@ -27,7 +27,7 @@ from lightning_parallel.planner.cluster import load_cluster
 from lightning_parallel.planner.from_config import checkpointing_modes, shape_of, workload_of
 from lightning_parallel.runtime.config_dir import CONFIG_DIR
 
-PLAN_VERSION = 2  # part of the cache key: a change of the planner's arithmetic plans again
+PLAN_VERSION = 3  # part of the cache key: a change of the planner's arithmetic plans again
 
 
 def cache_dir() -> Path:
@@ -99,6 +99,8 @@ def strategy_node(c: Candidate) -> dict[str, Any]:
     node.update(data_parallel_size=c.dp, pipeline_parallel_size=c.pp, tensor_parallel_size=c.tp, zero_stage=c.zero)
     if c.cp > 1:
         node.update(context_parallel_size=c.cp, context_parallel_method=c.cp_method)
+    if c.ep > 1:
+        node["expert_parallel_size"] = c.ep
     if c.pp > 1:
         node.update(schedule=c.schedule, stages_per_rank=c.stages_per_rank, microbatches=c.microbatches)
     if c.checkpointing != "none":
@@ -125,12 +127,13 @@ def check_resolves(c: Candidate, node: dict[str, Any], world: int) -> None:
     from lightning_parallel.strategies.resolve import resolve_layout
 
     layout = resolve_layout(partial(instantiate, node), world)
-    got = (layout.data_parallel, layout.context_parallel, layout.pipeline_parallel, layout.tensor_parallel)
-    if got != (c.dp, c.cp, c.pp, c.tp):
+    got = (layout.data_parallel, layout.context_parallel, layout.pipeline_parallel, layout.tensor_parallel,
+           layout.expert_parallel)
+    if got != (c.dp, c.cp, c.pp, c.tp, c.ep):
         raise ValueError(f"strategy=planned: the plan {c.name} is data {c.dp} x context {c.cp} x pipeline {c.pp} x "
-                         f"tensor {c.tp}, but its strategy config runs data {got[0]} x context {got[1]} x pipeline "
-                         f"{got[2]} x tensor {got[3]}: delete the cached plan in {cache_dir()} (LP_PLAN_CACHE) to "
-                         "plan again.")
+                         f"tensor {c.tp} (experts {c.ep}), but its strategy config runs data {got[0]} x context "
+                         f"{got[1]} x pipeline {got[2]} x tensor {got[3]} (experts {got[4]}): delete the cached plan "
+                         f"in {cache_dir()} (LP_PLAN_CACHE) to plan again.")
 
 
 def plan_if_asked(cfg: Any) -> dict[str, str]:

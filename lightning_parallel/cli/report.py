@@ -194,8 +194,11 @@ def layout_candidate(strategy: Any, layout: ParallelLayout) -> tuple[Any, str]:
     if isinstance(options, ParallelOptions):
         shards = layout.data_shard if layout.hsdp_enabled else dp  # FSDP2 shards within an HSDP group
         piped = pp > 1
+        context = layout.context_parallel
         candidate = Candidate("hybrid", shards, pp, tp, options.zero_stage, options.schedule if piped else "-",
-                              options.stages_per_rank if piped else 1, options.microbatches if piped else 1, 1, 1, 1)
+                              options.stages_per_rank if piped else 1, options.microbatches if piped else 1, 1, 1, 1,
+                              cp=context, cp_method=options.context_parallel_method if context > 1 else "-",
+                              ep=layout.expert_parallel)
         return candidate, "hybrid"
     zero = getattr(obj, "zero_stage", None)
     if isinstance(zero, int):

@@ -10,6 +10,10 @@ A context size is tried for every divisor of the world, only for a model with at
 (``shape.attention``) whose sequence cuts into ``2 x cp`` chunks; each context size > 1 with every
 method of the search space (ring, and Ulysses where the heads split). Context ranks share their data
 replica's samples, so the scaling rule sees the data size alone.
+
+An expert size is tried, for a model with experts (``shape.experts``), for every divisor of data x context
+(the ranks it borrows) that divides the expert count, under the hybrid strategy only. A split of the batch
+the model refuses (``shape.split_refusals``: a balancing loss a pipeline schedule cannot form) is refused here.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Optional
 
 from lightning_parallel.layout import factorizations
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, check_microbatches, validate_schedule
+from lightning_parallel.planner import experts as expert_axis
 from lightning_parallel.planner.context import method_reason, size_reason
 from lightning_parallel.planner.shapes import ModelShape
 from lightning_parallel.scaling import Reference, rescale
@@ -62,6 +67,7 @@ class SearchSpace:
         max_accumulation: under ``fixed_global_batch``, the most batches per optimizer step (None: any).
         context_sizes: context-parallel sizes to try (None: every divisor of the world; ``(1,)``: none).
         context_methods: context-parallel methods (``ring``, ``ulysses``).
+        expert_sizes: expert-parallel sizes to try (None: every divisor of data x context; ``(1,)``: none).
     """
 
     zero_stages: tuple[int, ...] = (0, 2, 3)
@@ -73,6 +79,7 @@ class SearchSpace:
     max_accumulation: Optional[int] = None
     context_sizes: Optional[tuple[int, ...]] = None
     context_methods: tuple[str, ...] = ("ring", "ulysses")
+    expert_sizes: Optional[tuple[int, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,7 @@ class Candidate:
         checkpointing: activation checkpointing mode.
         cp: context-parallel size (ranks splitting each sequence of a data replica).
         cp_method: ``ring`` or ``ulysses`` (``-`` without context parallelism).
+        ep: expert-parallel size (ranks of data x context sharing each MoE module's experts; 1: off).
     """
 
     engine: str
@@ -108,6 +116,7 @@ class Candidate:
     checkpointing: str = "none"
     cp: int = 1
     cp_method: str = "-"
+    ep: int = 1
 
     @property
     def world(self) -> int:
@@ -121,10 +130,10 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        """Short label: ``dp2xpp2 zero2 1f1b m4``, ``dp2xcp2 ring b4``."""
+        """Short label: ``dp2xpp2 zero2 1f1b m4``, ``dp2xcp2 ring b4``, ``dp4 ep4 b2``."""
         axes = (("dp", self.dp), ("cp", self.cp), ("pp", self.pp), ("tp", self.tp))
         sizes = "x".join(f"{a}{n}" for a, n in axes if n > 1) or "dp1"
-        parts = [sizes, self.cp_method if self.cp > 1 else "",
+        parts = [sizes, self.cp_method if self.cp > 1 else "", f"ep{self.ep}" if self.ep > 1 else "",
                  f"ds{self.zero}" if self.engine == "deepspeed" else (f"zero{self.zero}" if self.zero else "")]
         if self.pp > 1:
             parts += [self.schedule + (f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""),
@@ -182,11 +191,11 @@ def _pipeline_settings(space: SearchSpace, pp: int, batch: int) -> tuple[list[tu
     return sorted(set(settings)), reasons
 
 
-def _engines(space: SearchSpace, dp: int, cp: int, pp: int, tp: int) -> list[tuple[str, int]]:
+def _engines(space: SearchSpace, dp: int, cp: int, pp: int, tp: int, ep: int = 1) -> list[tuple[str, int]]:
     """(engine, ZeRO stage) pairs: the hybrid strategy's stages where data x context has replicas to shard over,
-    DeepSpeed's on data parallelism alone."""
+    DeepSpeed's on data parallelism alone (without experts sharded)."""
     engines = [("hybrid", z) for z in space.zero_stages if z == 0 or dp * cp > 1]
-    if pp == tp == cp == 1 and dp > 1:
+    if pp == tp == cp == ep == 1 and dp > 1:
         engines += [("deepspeed", s) for s in space.deepspeed_stages]
     return engines
 
@@ -224,6 +233,33 @@ def _context_methods(shape: ModelShape, space: SearchSpace, cp: int, tp: int,
     return methods, rejected
 
 
+def _expert_options(shape: ModelShape, space: SearchSpace, replicas: int,
+                    label: str) -> tuple[list[int], list[Rejected]]:
+    """The expert sizes of ``replicas`` data x context ranks to enumerate (1 alone without experts), and refusals."""
+    if shape.experts is None:
+        return [1], []
+    wanted = [n for n in range(1, replicas + 1) if replicas % n == 0]
+    if space.expert_sizes is not None:
+        wanted = [n for n in wanted if n in space.expert_sizes]
+    sizes, rejected = [], []
+    for ep in wanted:
+        reason = expert_axis.size_reason(shape, ep) if ep > 1 else None
+        if reason is None:
+            sizes.append(ep)
+        else:
+            rejected.append(Rejected(f"{label} ep{ep}", reason))
+    return sizes, rejected
+
+
+def _split_reason(shape: ModelShape, dp: int, cp: int, pp: int) -> Optional[str]:
+    """Why the model refuses how ``dp``, ``cp``, ``pp`` split its batch (None: it does not)."""
+    used = {"data": dp > 1, "context": cp > 1, "pipeline": pp > 1}
+    for axis, reason in shape.split_refusals:
+        if used.get(axis):
+            return f"the model refuses the {axis} split: {reason}"
+    return None
+
+
 def enumerate_layouts(shape: ModelShape, world: int, work: Workload,
                       space: SearchSpace = SearchSpace()) -> tuple[list[Candidate], list[Rejected]]:
     """Every candidate layout of ``world`` ranks for ``shape``, and every refused one with its reason.
@@ -259,9 +295,12 @@ def _layouts(shape: ModelShape, work: Workload, space: SearchSpace, checkpointin
     reason = _tp_reasons(shape, tp) if tp > 1 else None
     if reason is None and pp > layers:
         reason = f"too few layers: {layers} pipeline layers cannot fill {pp} stages"
+    reason = reason or _split_reason(shape, dp, cp, pp)
     if reason:
         return [], [Rejected(label, reason)]
     methods, rejected = _context_methods(shape, space, cp, tp, label)
+    expert_sizes, refused = _expert_options(shape, space, dp * cp, label)
+    rejected += refused
     for batch in _batch_sizes(space, work, dp):
         try:
             eff = rescale(work.rule, work.reference, dp, batch, work.accumulate, work.lr, work.warmup_steps)
@@ -274,9 +313,10 @@ def _layouts(shape: ModelShape, work: Workload, space: SearchSpace, checkpointin
             if pp * v > layers:
                 rejected.append(Rejected(f"{label} {schedule}", f"too few layers: {layers} for {pp * v} stages"))
                 continue
-            for engine, zero in _engines(space, dp, cp, pp, tp):
-                base = Candidate(engine, dp, pp, tp, zero, schedule, v, m, eff.micro_batch_size,
-                                 eff.accumulate_grad_batches, eff.global_batch_size, cp=cp)
-                candidates += [replace(base, checkpointing=ac, cp_method=method)
-                               for method in methods for ac in checkpointing]
+            for ep in expert_sizes:
+                for engine, zero in _engines(space, dp, cp, pp, tp, ep):
+                    base = Candidate(engine, dp, pp, tp, zero, schedule, v, m, eff.micro_batch_size,
+                                     eff.accumulate_grad_batches, eff.global_batch_size, cp=cp, ep=ep)
+                    candidates += [replace(base, checkpointing=ac, cp_method=method)
+                                   for method in methods for ac in checkpointing]
     return candidates, rejected

@@ -51,8 +51,10 @@ def optimizer_states(cfg: Any) -> int:
 _optimizer_states = optimizer_states  # the name this module used before
 
 
-def _unique_params(layer: nn.Module, plan: Mapping[str, Any], prefix: str) -> tuple[Param, ...]:
-    """``layer``'s parameters (a tied one once) with the dimension the tensor plan shards."""
+def _unique_params(layer: nn.Module, plan: Mapping[str, Any], prefix: str,
+                   experts: frozenset[int] = frozenset()) -> tuple[Param, ...]:
+    """``layer``'s parameters (a tied one once) with the dimension the tensor plan shards, and whether they are
+    experts (held by modules whose ids are in ``experts``)."""
     from lightning_parallel.planner.profile import _BIAS_SHARDED, _WEIGHT_DIM, _style_of
 
     params, seen = [], set()
@@ -62,7 +64,7 @@ def _unique_params(layer: nn.Module, plan: Mapping[str, Any], prefix: str) -> tu
             if id(param) not in seen:
                 seen.add(id(param))
                 dim = _WEIGHT_DIM.get(style) if name == "weight" else (0 if style in _BIAS_SHARDED else None)
-                params.append(Param(tuple(param.shape), dim))
+                params.append(Param(tuple(param.shape), dim, id(module) in experts))
     return tuple(params)
 
 
@@ -82,16 +84,20 @@ def state_shape(module: nn.Module, pipelined: bool, optimizer_states: int = 2, p
         sequence_parallel: the tensor plan's sequence-parallel entries (they shard no parameter).
     """
     from lightning_parallel.parallel.adapter import ModelAdapter
+    from lightning_parallel.planner.profile import _experts_modules
 
     adapter = ModelAdapter.resolve(module)
+    tops = {id(m) for m in _experts_modules(module).values()}  # the experts modules; their parameters are experts
+    experts = frozenset(id(m) for top in _experts_modules(module).values() for m in top.modules())
     plan = adapter.tensor_plan(sequence_parallel)[1]
     if pipelined:
         pipeline = adapter.pipeline_plan()
         named = list(zip(pipeline.names, pipeline.layers))
     else:
         named = [("", module)]
-    layers = tuple(LayerShape(name or "model", _unique_params(layer, plan, f"{name}." if name else ""), 0.0, 0.0, 0.0,
-                              0.0) for name, layer in named)
+    layers = tuple(LayerShape(name or "model", _unique_params(layer, plan, f"{name}." if name else "", experts), 0.0,
+                              0.0, 0.0, 0.0, moe_modules=sum(id(m) in tops for m in layer.modules()))
+                   for name, layer in named)
     return ModelShape(type(module).__name__, layers, param_bytes=param_bytes, optimizer_states=optimizer_states,
                       source="parameters of the built model")
 

@@ -14,7 +14,10 @@ against real runs of the hybrid strategy:
   ranks holding the same parameters;
   gradients are sharded like parameters and AdamW holds two states per local element;
 * DeepSpeed shards the flat optimizer state (stage 1), also gradients (2), also parameters (3)
-  in ``dp`` equal parts.
+  in ``dp`` equal parts;
+* expert parallelism (``ep > 1``) keeps ``E / ep`` experts of every MoE module on a rank, whole: FSDP2
+  leaves them out, so ZeRO does not shard them over the expert-data group (the current implementation;
+  :mod:`lightning_parallel.planner.experts`), and they are not in the gathered working copy.
 
 The peak of a rank is the larger of the training step's and the setup's (:func:`setup_bytes`):
 a model built with storage (in ``__init__``) is whole on every rank before it is split; one built
@@ -98,7 +101,7 @@ def state_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> tuple[flo
             shape.optimizer_states * b * _flat_share(total, c, 1),
         )
     fsdp = c.replicas if c.zero in (2, 3) else 1
-    counts = shape.local_counts(c.tp, fsdp)
+    counts = shape.local_counts(c.tp, fsdp, c.ep)
     local = sum(counts[i][1] for i in layers)
     return b * local, b * local, shape.optimizer_states * b * local
 
@@ -125,12 +128,14 @@ def activation_bytes(shape: ModelShape, c: Candidate, layer: int, samples: int) 
 def working_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> float:
     """Parameters gathered while computing: FSDP2 keeps the rank's layers unsharded from forward to backward
     (ZeRO-2, and replicated data parallelism, which runs on FSDP2 with shard groups of one rank: a second copy
-    of the parameters); ZeRO-3 (FSDP2 or DeepSpeed) gathers a layer and prefetches the next."""
+    of the parameters); ZeRO-3 (FSDP2 or DeepSpeed) gathers a layer and prefetches the next. Experts sharded by
+    expert parallelism are not FSDP2's: they are never gathered."""
     fsdp = c.replicas > 1 and c.engine == "hybrid"
     if not (fsdp or (c.engine == "deepspeed" and c.zero == 3 and c.dp > 1)):
         return 0.0
     counts = shape.local_counts(c.tp, 1)
-    full = [counts[i][0] for i in layers]
+    experts = shape.expert_counts() if c.ep > 1 else (0,) * len(shape.layers)
+    full = [counts[i][0] - experts[i] for i in layers]
     gathered = sum(full) if (fsdp and c.zero in (0, 2)) else 2 * max(full, default=0)  # 2: prefetch
     return shape.param_bytes * gathered
 
@@ -145,7 +150,8 @@ def setup_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> float:
     :mod:`lightning_parallel.parallel.materialize` initialises one module at a time at full size on the CPU
     and ``distribute_tensor`` copies one of its tensors to the device at full size before slicing it
     (modelled as the largest tensor of the rank's layers). A plain tensor is copied into place directly.
-    DeepSpeed below stage 3 holds whole parameters anyway (its at-rest share is the model).
+    DeepSpeed below stage 3 holds whole parameters anyway (its at-rest share is the model). Under expert
+    parallelism an experts module is initialised whole (every expert of it) before the rank keeps its slice.
 
     Args:
         shape: the model (``built_on_meta`` says how the run builds it).
@@ -160,4 +166,8 @@ def setup_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> float:
     else:
         distributed = c.tp > 1 or c.zero in (2, 3) or c.replicas > 1
     largest = max((p.numel for i in layers for p in shape.layers[i].params), default=0)
+    if c.ep > 1:
+        experts = [shape.layers[i].expert_params // shape.layers[i].moe_modules for i in layers
+                   if shape.layers[i].moe_modules]
+        largest = max([largest, *experts])
     return share + (shape.param_bytes * largest if distributed else 0.0)

@@ -61,7 +61,8 @@ def make_plan(shape: ModelShape, cluster: Cluster, world: int, work: Workload,
         else:
             ranked.append(p)
     # Ties (equal predictions) go to the simpler layout: fewer axes in use, lower ZeRO stage, no checkpointing.
-    ranked.sort(key=lambda p: (-float(f"{p.throughput:.9g}"), p.candidate.cp * p.candidate.pp * p.candidate.tp,
+    ranked.sort(key=lambda p: (-float(f"{p.throughput:.9g}"),
+                               p.candidate.cp * p.candidate.pp * p.candidate.tp * p.candidate.ep,
                                p.candidate.zero, p.candidate.checkpointing != "none"))
     return Plan(shape, cluster, world, tuple(ranked), tuple(dict.fromkeys(rejected)))  # one row per distinct refusal
 
@@ -88,6 +89,8 @@ def strategy_overrides(c: Candidate) -> list[str]:
            f"strategy.tensor_parallel_size={c.tp}", f"strategy.zero_stage={c.zero}"]
     if c.cp > 1:
         out += [f"strategy.context_parallel_size={c.cp}", f"strategy.context_parallel_method={c.cp_method}"]
+    if c.ep > 1:
+        out.append(f"strategy.expert_parallel_size={c.ep}")
     if c.pp > 1:
         out += [f"strategy.schedule={c.schedule}", f"strategy.stages_per_rank={c.stages_per_rank}",
                 f"strategy.microbatches={c.microbatches}"]

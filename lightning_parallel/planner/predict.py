@@ -7,7 +7,9 @@ collectives + the optimizer step. A context rank computes ``1 / cp`` of every se
 :mod:`lightning_parallel.planner.context` counts. Collectives use an alpha-beta ring model over the
 link the group spans (ranks are placed tensor-innermost, then pipeline, then context, then data:
 :mod:`lightning_parallel.layout`); the data axis's collectives run over data x context (the ranks
-holding the same parameters):
+holding the same parameters). Under expert parallelism each MoE module's all-to-alls
+(:mod:`lightning_parallel.planner.experts`) sit inside the layer's time, and the experts' gradients are
+all-reduced over the expert-data group once per optimizer step instead of over data x context:
 
 * all-reduce of ``B`` bytes over ``n`` ranks: ``2(n-1) (alpha + B / (n beta))``;
 * all-gather / reduce-scatter of ``B`` (the whole tensor): ``(n-1) (alpha + B / (n beta_gather))``.
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from lightning_parallel.planner import experts as expert_axis
 from lightning_parallel.planner.candidates import Candidate
 from lightning_parallel.planner.cluster import Cluster, Link
 from lightning_parallel.planner.context import Traffic, traffic
@@ -49,6 +52,9 @@ class Prediction:
         context_bytes: bytes the busiest rank sends per optimizer step in context-parallel collectives
             (ring send/recv or all-to-all; 0 without context parallelism).
         context_comm: seconds of those collectives per step (inside ``step_time``, on the busiest rank).
+        expert_bytes: bytes the busiest rank sends per optimizer step in expert-parallel all-to-alls (token
+            dispatch and combine, forward and backward; 0 without expert parallelism).
+        expert_comm: seconds of those all-to-alls per step (inside ``step_time``).
     """
 
     candidate: Candidate
@@ -59,6 +65,8 @@ class Prediction:
     comm: float
     context_bytes: float = 0.0
     context_comm: float = 0.0
+    expert_bytes: float = 0.0
+    expert_comm: float = 0.0
 
     @property
     def throughput(self) -> float:
@@ -82,6 +90,14 @@ def context_traffic(shape: ModelShape, cluster: Cluster, c: Candidate, micro: in
     return traffic(shape.attention, c.cp_method, c.cp, c.tp, micro, link)
 
 
+def expert_traffic(shape: ModelShape, cluster: Cluster, c: Candidate, micro: int) -> Traffic:
+    """One MoE module's all-to-alls on one micro-batch of ``micro`` samples (zeros without expert parallelism)."""
+    if c.ep == 1 or shape.experts is None:
+        return Traffic(0.0, 0.0, 0.0, 0.0)
+    link = cluster.link(c.ep * c.pp * c.tp, c.world)
+    return expert_axis.traffic(shape.experts, c.ep, micro * shape.experts.tokens_per_sample / c.cp, link)
+
+
 def _recomputes(c: Candidate) -> bool:
     """Whether the forward runs again in backward (its context messages too)."""
     return c.checkpointing in ("full", "selective")
@@ -92,7 +108,8 @@ def layer_seconds(
 ) -> list[tuple[float, float]]:
     """(forward, backward) seconds of each layer on one micro-batch of ``micro`` samples.
 
-    Tensor and context collectives included; a context rank computes ``1 / cp`` of the tokens.
+    Tensor, context and expert collectives included; a context rank computes ``1 / cp`` of the tokens; tensor
+    parallelism does not divide the experts' share of a layer.
     """
     if cluster.compute == "measured":
         if shape.measured_seconds is None:
@@ -103,12 +120,14 @@ def layer_seconds(
         totals = [3 * layer.fwd_flops * micro / (cluster.peak_flops * cluster.efficiency) for layer in shape.layers]
     link = cluster.link(c.tp, world)
     context = context_traffic(shape, cluster, c, micro)
+    experts = expert_traffic(shape, cluster, c, micro)
     out = []
-    for layer, total in zip(shape.layers, totals):
+    for index, (layer, total) in enumerate(zip(shape.layers, totals)):
         sharded = any(p.tp_dim is not None for p in layer.params)
         fwd, bwd = total / (3 * c.cp), 2 * total / (3 * c.cp)
         if sharded and c.tp > 1:
-            fwd, bwd = fwd / c.tp, bwd / c.tp
+            share = expert_axis.expert_flops_share(shape, index)
+            fwd, bwd = (fwd * (1 - share) / c.tp + fwd * share), (bwd * (1 - share) / c.tp + bwd * share)
         recompute = (fwd if c.checkpointing == "full"
                      else fwd * layer.recompute_fraction if c.checkpointing == "selective" else 0.0)
         tp_comm = 0.0
@@ -117,10 +136,11 @@ def layer_seconds(
             calls = max(0, layer.tp_collectives - 2)
             tp_comm = (all_reduce(link, c.tp, layer.tp_all_reduce_bytes * micro / c.cp)
                        + calls * 2 * (c.tp - 1) * link.latency / 2)
-        n = layer.attention_modules
-        cp_fwd = n * context.forward_seconds
-        cp_bwd = n * (context.backward_seconds + (context.forward_seconds if _recomputes(c) else 0.0))
-        out.append((fwd + tp_comm + cp_fwd, bwd + recompute + tp_comm + cp_bwd))
+        token_fwd, token_bwd = 0.0, 0.0
+        for n, t in ((layer.attention_modules, context), (layer.moe_modules, experts)):
+            token_fwd += n * t.forward_seconds
+            token_bwd += n * (t.backward_seconds + (t.forward_seconds if _recomputes(c) else 0.0))
+        out.append((fwd + tp_comm + token_fwd, bwd + recompute + tp_comm + token_bwd))
     return out
 
 
@@ -136,6 +156,38 @@ def context_bytes_per_step(
     per_micro_seconds = modules * (passes * context.forward_seconds + context.backward_seconds)
     micros = c.microbatches * c.accumulate
     return per_micro_bytes * micros, per_micro_seconds * micros
+
+
+def expert_bytes_per_step(
+    shape: ModelShape, cluster: Cluster, c: Candidate, layers: list[int]
+) -> tuple[float, float]:
+    """(bytes, seconds) of expert all-to-alls one rank holding ``layers`` sends per optimizer step."""
+    experts = expert_traffic(shape, cluster, c, c.batch_size // c.microbatches)
+    modules = sum(shape.layers[i].moe_modules for i in layers)
+    passes = 2 if _recomputes(c) else 1
+    micros = c.microbatches * c.accumulate
+    return (modules * micros * (passes * experts.forward_bytes + experts.backward_bytes),
+            modules * micros * (passes * experts.forward_seconds + experts.backward_seconds))
+
+
+def _expert_sync(shape: ModelShape, cluster: Cluster, c: Candidate, layers: list[int]) -> tuple[float, float, float]:
+    """``(expert parameter bytes on the rank, their whole size, seconds of their gradient all-reduce over the
+    expert-data group)``; zeros without expert parallelism (the experts are then ordinary parameters)."""
+    if c.ep == 1:
+        return 0.0, 0.0, 0.0
+    local = shape.param_bytes * sum(shape.expert_counts(c.ep)[i] for i in layers)
+    whole = shape.param_bytes * sum(shape.expert_counts()[i] for i in layers)
+    return local, whole, all_reduce(cluster.link(c.world, c.world), c.replicas // c.ep, local)
+
+
+def _rank_data_axis(shape: ModelShape, cluster: Cluster, c: Candidate, layers: list[int],
+                    params: float) -> tuple[float, float]:
+    """(per batch, per optimizer step) seconds of one rank's gradient collectives: the data axis's over its dense
+    parameters (``params`` bytes at rest, experts included), the expert-data group's over its experts."""
+    full = shape.param_bytes * sum(shape.local_counts(c.tp, 1)[i][0] for i in layers)
+    experts_local, experts_whole, expert_sync = _expert_sync(shape, cluster, c, layers)
+    per_batch, sync = _data_axis_seconds(c, cluster, params - experts_local, full - experts_whole, len(layers))
+    return per_batch, sync + expert_sync
 
 
 def _data_axis_seconds(
@@ -188,8 +240,7 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate) -> Prediction:
         cluster: the machines.
         c: the layout.
     """
-    per_rank = stage_layers(shape, c)
-    micro = c.batch_size // c.microbatches
+    per_rank, micro = stage_layers(shape, c), c.batch_size // c.microbatches
     times = layer_seconds(shape, cluster, c, micro, c.world)
     stages = [stage for rank in per_rank for stage in rank]
     order = sorted(range(len(stages)), key=lambda i: stages[i][0])
@@ -218,8 +269,7 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate) -> Prediction:
     for r, rank_stages in enumerate(per_rank):
         layers = [i for s in rank_stages for i in s]
         params, grads, optim = state_bytes(shape, c, layers)
-        full = shape.param_bytes * sum(shape.local_counts(c.tp, 1)[i][0] for i in layers)
-        per_batch, sync = _data_axis_seconds(c, cluster, params, full, len(layers))
+        per_batch, sync = _rank_data_axis(shape, cluster, c, layers, params)
         optimizer = slowdown * 2 * (params + grads + optim) / cluster.memory_bandwidth
         optimizer += slowdown * cluster.dtensor_param_overhead * _dtensor_params(shape, c, layers)
         rank_step = c.accumulate * (batch_time + per_batch) + sync + optimizer
@@ -228,5 +278,7 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate) -> Prediction:
         memories.append(Memory(params, grads, optim, peaks[r], working_bytes(shape, c, layers),
                                setup_bytes(shape, c, layers)))
     worst = max(memories, key=lambda m: m.total)
-    context = max(context_bytes_per_step(shape, cluster, c, [i for s in rank for i in s]) for rank in per_rank)
-    return Prediction(c, worst, step, c.accumulate * busy, bubble, comm, *context)
+    held = [[i for s in rank for i in s] for rank in per_rank]
+    context, experts = (max(f(shape, cluster, c, layers) for layers in held)
+                        for f in (context_bytes_per_step, expert_bytes_per_step))
+    return Prediction(c, worst, step, c.accumulate * busy, bubble, comm, *context, *experts)

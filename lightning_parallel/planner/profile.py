@@ -6,7 +6,10 @@ from ``torch.utils.flop_counter``; the bytes autograd saves for backward from on
 through ``saved_tensors_hooks``; forward+backward seconds per layer from
 :func:`lightning_parallel.parallel.pipeline.partition.measure_layer_times`, the function the ``time``
 partition uses; the attention context parallelism would split (sequence, heads, head size) from the
-``q, k`` that the modules its ``context_parallel_plan()`` calls ``"attention"`` receive.
+``q, k`` that the modules its ``context_parallel_plan()`` calls ``"attention"`` receive; the experts expert
+parallelism would split (count, top-k, widths, tokens) from the modules its ``expert_parallel_plan()`` calls
+``"experts"`` (their parameters flagged as experts) and the MoE block holding each; the splits of the batch the
+model refuses from its adapter's ``check_batch_split``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel.planner.shapes import AttentionShape, LayerShape, ModelShape, Param
+from lightning_parallel.planner.shapes import AttentionShape, ExpertShape, LayerShape, ModelShape, Param
 
 # Which dimension of a weight each plan style shards, and whether the bias is sharded with it.
 _WEIGHT_DIM = {"colwise": 0, "colwise_gather": 0, "embedding_rowwise": 0, "embedding_rowwise_replicated": 0,
@@ -45,8 +48,10 @@ def _style_of(name: str, plan: Mapping[str, Any], prefix: str) -> Optional[str]:
     return found
 
 
-def _layer_params(layer: nn.Module, plan: Mapping[str, Any], prefix: str) -> tuple[tuple[Param, ...], int, int]:
-    """Parameters of ``layer`` with their tensor-parallel dims; forward and backward all-reducing modules."""
+def _layer_params(layer: nn.Module, plan: Mapping[str, Any], prefix: str,
+                  experts: frozenset[int] = frozenset()) -> tuple[tuple[Param, ...], int, int]:
+    """Parameters of ``layer`` with their tensor-parallel dims (and whether they are experts: modules whose ids are
+    in ``experts``); forward and backward all-reducing modules."""
     params, reducing, backward = [], 0, 0
     for module_name, module in layer.named_modules():
         style = _style_of(module_name, plan, prefix) if module_name else _style_of("", plan, prefix.rstrip("."))
@@ -54,8 +59,54 @@ def _layer_params(layer: nn.Module, plan: Mapping[str, Any], prefix: str) -> tup
         backward += style in _BACKWARD_REDUCE_STYLES
         for pname, p in module.named_parameters(recurse=False):
             dim = _WEIGHT_DIM.get(style) if pname == "weight" else (0 if style in _BIAS_SHARDED else None)
-            params.append(Param(tuple(p.shape), dim))
+            params.append(Param(tuple(p.shape), dim, id(module) in experts))
     return tuple(params), reducing, backward
+
+
+def _experts_modules(module: nn.Module) -> dict[str, nn.Module]:
+    """The submodules ``module.expert_parallel_plan()`` maps to ``"experts"``, by name (none without a plan)."""
+    plan = getattr(module, "expert_parallel_plan", None)
+    globs = [pattern for pattern, style in dict(plan()).items() if style == "experts"] if callable(plan) else []
+    return {name: m for name, m in module.named_modules() if name and any(fnmatch.fnmatchcase(name, g) for g in globs)}
+
+
+def _expert_shape(module: nn.Module, name: str, layer: nn.Module, inp: Tensor) -> ExpertShape:
+    """The experts module ``name`` of ``module`` as an :class:`ExpertShape`: its count and widths, the top-k of the
+    block holding it, and the tokens that block receives when ``layer`` runs on ``inp`` (one sample)."""
+    experts = module.get_submodule(name)
+    block = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+    count = int(experts.num_experts)
+    seen: list[Tensor] = []
+    handle = block.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    try:
+        with torch.no_grad():
+            layer(inp)
+    finally:
+        handle.remove()
+    x = seen[0]
+    width = x.shape[-1]
+    per_expert = sum(p.numel() for p in experts.parameters()) // count
+    up = getattr(experts, "w_up", None)
+    hidden = int(up.shape[-1]) if up is not None else per_expert // (2 * width)
+    top_k = int(getattr(block, "top_k", getattr(experts, "top_k", 1)))
+    return ExpertShape(count, top_k, width, hidden, x.numel() // (width * inp.shape[0]), per_expert, x.element_size())
+
+
+def _split_refusals(module: nn.Module) -> tuple[tuple[str, str], ...]:
+    """``(axis, reason)`` for each split of the batch (data, pipeline, context) the model refuses at start-up."""
+    from lightning_parallel.parallel.adapter import ModelAdapter
+
+    try:
+        check = ModelAdapter.resolve(module).check_batch_split
+    except (TypeError, ValueError):  # not a model the suite adapts: nothing to ask
+        return ()
+    refusals = []
+    for axis in ("data", "pipeline", "context"):
+        try:
+            check([f"{axis}_parallel_size=2"])
+        except ValueError as error:
+            refusals.append((axis, str(error)))
+    return tuple(refusals)
 
 
 def _layer_prefixes(module: nn.Module, layers: Sequence[nn.Module]) -> list[str]:
@@ -131,20 +182,25 @@ def profile_module(module: nn.Module, sample: Tensor, name: str = "model", optim
     batch = sample.shape[0]
     shapes, x = [], sample[:1]
     attention_modules, attention = _attention_modules(module), None
+    experts_modules, experts = _experts_modules(module), None
+    expert_ids = frozenset(id(m) for e in experts_modules.values() for m in e.modules())
     for layer, prefix in zip(layers, _layer_prefixes(module, layers)):
-        params, reducing, backward = _layer_params(layer, plan, prefix)
+        params, reducing, backward = _layer_params(layer, plan, prefix, expert_ids)
         flops = _flops(layer, x)
         saved, out = _saved_bytes(layer, x)
         sharded = _TP_SHARDED_SHARE * saved if any(p.tp_dim is not None for p in params) else 0.0
         held = [m for m in layer.modules() if any(m is a for a in attention_modules)]
         if held and attention is None:
             attention = _attention_shape(held, layer, x)
+        moe = [n for n, m in experts_modules.items() if any(m is own for own in layer.modules())]
+        if moe and experts is None:
+            experts = _expert_shape(module, moe[0], layer, x)
         shapes.append(LayerShape(
             name=prefix.rstrip(".") or f"layer{len(shapes)}", params=params, fwd_flops=float(flops),
             activation_sharded=sharded, activation_replicated=saved - sharded,
             output_bytes=float(out.numel() * out.element_size()),
             tp_all_reduce_bytes=float(reducing * out.numel() * out.element_size()), tp_collectives=reducing + backward,
-            attention_modules=len(held),
+            attention_modules=len(held), moe_modules=len(moe),
         ))
         x = out
     # The loss after the last layer keeps its log-probabilities (cross-entropy's saved tensor, logits-sized).
@@ -154,7 +210,7 @@ def profile_module(module: nn.Module, sample: Tensor, name: str = "model", optim
     timer = _layer_timer(layers, sample)
     return ModelShape(name, tuple(shapes), tp_divides=divides, optimizer_states=optimizer_states,
                       measured_seconds=timer, source=f"instantiated, measured on {batch} sample(s)",
-                      attention=attention)
+                      attention=attention, experts=experts, split_refusals=_split_refusals(module))
 
 
 def _tp_limits(module: nn.Module) -> tuple[tuple[str, int], ...]:

@@ -21,10 +21,13 @@ class Param:
     Args:
         shape: its global shape.
         tp_dim: the dimension tensor parallelism shards (None: replicated on the tensor group).
+        expert: whether it holds a mixture-of-experts layer's experts along dimension 0 (what expert
+            parallelism divides, and then leaves out of FSDP2).
     """
 
     shape: tuple[int, ...]
     tp_dim: Optional[int] = None
+    expert: bool = False
 
     @property
     def numel(self) -> int:
@@ -50,6 +53,7 @@ class LayerShape:
             selective checkpointing is not planned for this layer).
         attention_modules: attention modules in the layer, each over the whole sequence (what context
             parallelism replaces, and where its ring or all-to-all traffic happens).
+        moe_modules: mixture-of-experts modules in the layer (where expert parallelism's all-to-alls happen).
     """
 
     name: str
@@ -63,10 +67,16 @@ class LayerShape:
     recompute_fraction: float = 0.0
     selective_saved: Optional[float] = None
     attention_modules: int = 0
+    moe_modules: int = 0
 
     @property
     def num_params(self) -> int:
         return sum(p.numel for p in self.params)
+
+    @property
+    def expert_params(self) -> int:
+        """Elements of the layer's experts (all ``E`` of every MoE module)."""
+        return sum(p.numel for p in self.params if p.expert)
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,29 @@ class AttentionShape:
 
 
 @dataclass(frozen=True)
+class ExpertShape:
+    """The experts expert parallelism splits: the same in every MoE module of the model.
+
+    Args:
+        num_experts: ``E``, experts per MoE module (an expert size must divide it).
+        top_k: experts each token goes to.
+        d_model: elements of a token's hidden state (what dispatch and combine send per token copy).
+        hidden: hidden width of one expert.
+        tokens_per_sample: tokens of one sample reaching each MoE module.
+        expert_params: elements of one expert (its matrices together): a token copy costs ``2 x`` that in FLOPs.
+        act_bytes: bytes per element of the hidden states sent.
+    """
+
+    num_experts: int
+    top_k: int
+    d_model: int
+    hidden: int
+    tokens_per_sample: int
+    expert_params: int
+    act_bytes: int = 4
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """A model as the planner sees it.
 
@@ -105,6 +138,10 @@ class ModelShape:
             model before the split). Decides the setup peak (:func:`~lightning_parallel.planner.memory.setup_bytes`).
         attention: the sequence and heads context parallelism splits (None: no attention the module's
             ``context_parallel_plan()`` names, and no context-parallel candidates).
+        experts: the experts expert parallelism splits (None: no experts module the module's
+            ``expert_parallel_plan()`` names, and no expert-parallel candidates).
+        split_refusals: ``(axis, reason)`` for each of ``data``, ``pipeline``, ``context`` whose split of the batch
+            the model refuses at start-up (its ``check_batch_split``: a balancing loss formed in ``training_step``).
     """
 
     name: str
@@ -116,6 +153,8 @@ class ModelShape:
     source: str = "analytic"
     built_on_meta: bool = True
     attention: Optional[AttentionShape] = None
+    experts: Optional[ExpertShape] = None
+    split_refusals: tuple[tuple[str, str], ...] = ()
 
     @property
     def num_params(self) -> int:
@@ -130,13 +169,17 @@ class ModelShape:
         return list(self._counts)
 
     @cached_property
-    def _local_cache(self) -> dict[tuple[int, int], tuple[tuple[int, int], ...]]:
+    def _local_cache(self) -> dict[tuple[int, int, int], tuple[tuple[int, int], ...]]:
         return {}
 
-    def local_counts(self, tp: int, fsdp: int) -> tuple[tuple[int, int], ...]:
+    def local_counts(self, tp: int, fsdp: int, ep: int = 1) -> tuple[tuple[int, int], ...]:
         """Per layer: (elements a tensor rank holds, elements the first FSDP shard of that holds) for ``tp`` and
-        ``fsdp`` (1: no FSDP). FSDP2 cuts dim 0 as tensor parallelism left it, rounding up (``torch.chunk``)."""
-        key = (tp, fsdp)
+        ``fsdp`` (1: no FSDP). FSDP2 cuts dim 0 as tensor parallelism left it, rounding up (``torch.chunk``).
+
+        Under expert parallelism (``ep > 1``) a rank holds ``E / ep`` experts whole: FSDP2 leaves them out (their
+        gradients are reduced over the expert-data group instead). With ``ep = 1`` they are ordinary parameters.
+        """
+        key = (tp, fsdp, ep)
         if key not in self._local_cache:
             rows = []
             for layer in self.layers:
@@ -145,12 +188,20 @@ class ModelShape:
                     dims = list(p.shape)
                     if tp > 1 and p.tp_dim is not None:
                         dims[p.tp_dim] //= tp
+                    if p.expert and ep > 1:
+                        tp_local += math.prod(dims) // ep
+                        shard += math.prod(dims) // ep
+                        continue
                     tp_local += math.prod(dims)
                     dims[0] = -(-dims[0] // fsdp)
                     shard += math.prod(dims)
                 rows.append((tp_local, shard))
             self._local_cache[key] = tuple(rows)
         return self._local_cache[key]
+
+    def expert_counts(self, ep: int = 1) -> tuple[int, ...]:
+        """Per layer: expert elements a rank of an expert group of ``ep`` holds (``E / ep`` of every MoE module's)."""
+        return tuple(layer.expert_params // ep for layer in self.layers)
 
 
 def _block(i: int, h: int, heads: int, kv_heads: int, ffn: int, s: int, act_bytes: int) -> LayerShape:

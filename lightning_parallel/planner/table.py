@@ -23,7 +23,8 @@ def ranked_table(plan: Plan, top: int, measured: Optional[Mapping[str, float]] =
 
     ``setup/rank`` is the peak while the model is built and split (the whole model when it is built with
     storage); ``total/rank`` the larger of it and the training step's. ``cp`` is the context size and method,
-    ``cp sent/step`` the bytes a rank sends per optimizer step in ring send/recv or all-to-all, and their time.
+    ``cp sent/step`` the bytes a rank sends per optimizer step in ring send/recv or all-to-all, and their time;
+    ``ep`` the expert size, ``ep sent/step`` the bytes of its token all-to-alls (uniform router) and their time.
 
     Args:
         plan: the plan.
@@ -32,8 +33,8 @@ def ranked_table(plan: Plan, top: int, measured: Optional[Mapping[str, float]] =
     """
     table = Table(title=f"lp-plan: {plan.shape.name} on {plan.world} x {plan.cluster.name} "
                         f"({len(plan.ranked)} layouts fit, {len(plan.rejected)} refused)")
-    columns = ("#", "layout", "cp", "samples/s", "step", "bubble", "comm", "cp sent/step", "states/rank",
-               "activations", "setup/rank", "total/rank")
+    columns = ("#", "layout", "cp", "ep", "samples/s", "step", "bubble", "comm", "cp sent/step", "ep sent/step",
+               "states/rank", "activations", "setup/rank", "total/rank")
     for column in columns:
         table.add_column(column, justify="left" if column == "layout" else "right")
     if measured is not None:
@@ -42,9 +43,10 @@ def ranked_table(plan: Plan, top: int, measured: Optional[Mapping[str, float]] =
         c = p.candidate
         context = f"{c.cp} {c.cp_method}" if c.cp > 1 else "1"
         sent = f"{_bytes(p.context_bytes)}, {p.context_comm * 1e3:.3g} ms" if c.cp > 1 else "-"
-        row = [str(i), c.name, context, f"{p.throughput:.4g}", f"{p.step_time * 1e3:.4g} ms", f"{p.bubble:.0%}",
-               f"{p.comm * 1e3:.3g} ms", sent, _bytes(p.memory.states), _bytes(p.memory.activations),
-               _bytes(p.memory.setup), _bytes(p.memory.total)]
+        tokens = f"{_bytes(p.expert_bytes)}, {p.expert_comm * 1e3:.3g} ms" if c.ep > 1 else "-"
+        row = [str(i), c.name, context, str(c.ep), f"{p.throughput:.4g}", f"{p.step_time * 1e3:.4g} ms",
+               f"{p.bubble:.0%}", f"{p.comm * 1e3:.3g} ms", sent, tokens, _bytes(p.memory.states),
+               _bytes(p.memory.activations), _bytes(p.memory.setup), _bytes(p.memory.total)]
         if measured is not None:
             value = measured.get(p.candidate.name)
             row.append("-" if value is None else f"{value:.4g}")

@@ -35,14 +35,16 @@ def loop_grouped_mm(x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
 
 
 def kernel_fits(x: Tensor, weight: Tensor) -> bool:
-    """Whether the grouped GEMM kernel takes these operands (dtype, 16-byte row strides, contiguity).
+    """Whether the grouped GEMM kernel takes these operands (dtype, 16-byte row strides, contiguity, and at least one
+    row: its backward fails on a rank that received no tokens).
 
     Args:
         x: ``[m, k]``.
         weight: ``[G, k, n]``.
     """
     aligned = all(t.shape[-1] * t.element_size() % 16 == 0 for t in (x, weight))
-    return aligned and x.dtype == weight.dtype and x.dtype in _KERNEL_DTYPES and x.is_contiguous()
+    return (aligned and x.shape[0] > 0 and x.dtype == weight.dtype and x.dtype in _KERNEL_DTYPES
+            and x.is_contiguous())
 
 
 class _DenseGrad(torch.autograd.Function):
