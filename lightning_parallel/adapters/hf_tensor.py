@@ -38,9 +38,9 @@ REFUSED_STYLES: dict[str, str] = {
     "grouped_gemm": _MOE, "gather": _LOCAL,
     "local_colwise": _LOCAL, "local_rowwise": _LOCAL, "local_packed_rowwise": _LOCAL, "local": _LOCAL,
     "local_params": "parameters used as local tensors (attention sinks) are sharded by parameter name, not by module",
-    "mla_kv_a_proj": "multi-head latent attention splits one projection's output into a sharded and a replicated part",
 }
-
+#: transformers styles the adapter runs with a style of its own (:mod:`.hf_styles`), in a model's own plan.
+ADAPTER_STYLES = ("mla_kv_a_proj", "replicated_with_grad_allreduce")
 
 
 def _model_plan(model: nn.Module) -> dict[str, Any]:
@@ -59,10 +59,37 @@ def _model_plan(model: nn.Module) -> dict[str, Any]:
 def _translate(value: Any, model: nn.Module) -> Any:
     if not isinstance(value, str):
         return value
+    if value == "replicated_with_grad_allreduce":
+        from lightning_parallel.adapters.hf_styles import SumGradientsOnUse
+
+        return SumGradientsOnUse()
     if value in HF_STYLES:
         return HF_STYLES[value]
+    rope_dim = getattr(_text_config(model), "qk_rope_head_dim", None)
+    if value == "mla_kv_a_proj" and isinstance(rope_dim, int):
+        from lightning_parallel.adapters.hf_styles import MlaKvAProj
+
+        return MlaKvAProj(rope_dim)
     reason = REFUSED_STYLES.get(value, f"it is not a transformers style the suite knows ({', '.join(HF_STYLES)})")
     return RefusedStyle(value, type(model).__name__, reason)
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _matching(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """The entries whose pattern names a submodule of ``model``.
+
+    transformers applies its plans module by module and passes over a pattern that names nothing (a dense MLP
+    entry in a model whose layers are all experts, Llama 4's unprefixed duplicates) or a bare parameter (attention
+    sinks, which its owner's ``local_params`` entry covers): so does the suite, for the model's own plan.
+    """
+    import fnmatch
+
+    names = [name for name, _ in model.named_modules() if name]
+    return {key: value for key, value in plan.items() if any(fnmatch.fnmatchcase(name, key) for name in names)}
 
 
 def _base_prefix(model: nn.Module) -> str:
@@ -87,7 +114,7 @@ def hf_tensor_plan(prefix: str, model: nn.Module, *, sequence_parallel: bool = F
         ValueError: ``sequence_parallel`` on a model the suite cannot shard along the sequence.
     """
     source = f"the tp_plan of {type(model).__name__}" + (f" (at {prefix!r})" if prefix else "")
-    plan = {key: _translate(value, model) for key, value in _model_plan(model).items()}
+    plan = {key: _translate(value, model) for key, value in _matching(model, _model_plan(model)).items()}
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
     tied = (
         isinstance(inputs, nn.Embedding) and outputs is not None and getattr(outputs, "weight", None) is inputs.weight
@@ -96,10 +123,43 @@ def hf_tensor_plan(prefix: str, model: nn.Module, *, sequence_parallel: bool = F
     if plan and tied and embed is not None and embed not in plan:
         # transformers < 5 plans leave the embedding out; the tied head would then be sharded alone.
         plan = {embed: "embedding_rowwise", **plan}
+    plan.update(_on_sharded_features(model, plan))
     if plan and sequence_parallel:
         plan.update(sequence_parallel_entries(model, plan))
     root = f"{prefix}." if prefix else ""
     return source, {f"{root}{key}": value for key, value in plan.items()}
+
+
+#: Children that compute on the output of a column-sharded sibling projection: per-head norms after ``q_proj`` /
+#: ``k_proj``, an activation with parameters after ``gate_proj`` / ``up_proj`` (Apertus's xIELU).
+_ON_SHARDED_OUTPUT = ("q_norm", "k_norm", "act_fn")
+
+
+def _on_sharded_features(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """Gradient sums for parameters that see only this rank's features and that the model's plan leaves out.
+
+    A per-head norm or a parametric activation next to a ``colwise`` projection (sharded output) runs on this
+    rank's heads or features only, with its whole weight: its gradient is this rank's share and the ranks'
+    shares must be summed -- what ``replicated_with_grad_allreduce`` says where transformers' plan remembers it
+    (Qwen3), and what it forgets in others (measured before: Param2MoE's ``k_norm`` 3e-4 off one process,
+    Apertus's ``act_fn.alpha_p`` 1e-4, after 4 steps under tensor 2).
+    """
+    import fnmatch
+
+    from lightning_parallel.adapters.hf_styles import SumGradientsOnUse
+
+    names = [name for name, _ in model.named_modules() if name]
+    sharded = {name.rsplit(".", 1)[0] for key, value in plan.items() if value == "colwise"
+               for name in names if "." in name and fnmatch.fnmatchcase(name, key)}
+    entries: dict[str, Any] = {}
+    for parent in sorted(sharded):
+        for child in _ON_SHARDED_OUTPUT:
+            name = f"{parent}.{child}"
+            sub = getattr(model.get_submodule(parent), child, None)
+            if (isinstance(sub, nn.Module) and any(True for _ in sub.parameters())
+                    and not any(fnmatch.fnmatchcase(name, key) for key in plan)):
+                entries[name] = SumGradientsOnUse()
+    return entries
 
 
 def _refuse_sequence(model: nn.Module, what: str) -> ValueError:
@@ -180,7 +240,7 @@ def sequence_parallel_entries(model: nn.Module, plan: dict[str, Any]) -> dict[st
     return entries
 
 
-_QUERY = ("q_proj", "qkv_proj", "query_key_value", "c_attn")
+_QUERY = ("q_proj", "qkv_proj", "query_key_value", "c_attn", "q_b_proj", "kv_b_proj")  # *_b_proj: MLA
 _KEY_VALUE = ("k_proj", "v_proj")
 
 
@@ -198,9 +258,7 @@ def hf_head_dimensions(model: nn.Module, plan: dict[str, Any]) -> list[tuple[str
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
+    config = _text_config(model)
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     split = {name.rsplit(".", 1)[-1] for name, style in plan.items()

@@ -25,10 +25,13 @@ from lightning_parallel.adapters.hf_context import (
     shifted_loss_terms,
     shifted_valid_count,
 )
+from lightning_parallel.adapters.hf_experts import apply_hf_experts, check_hf_experts
+from lightning_parallel.adapters.hf_init import init_hf_module
 from lightning_parallel.adapters.hf_loss import ACCUMULATION_WARNING, TokenWeightedLoss, group_sum, is_causal_lm
 from lightning_parallel.adapters.hf_pipeline import HFStage, hf_pipeline_layers
+from lightning_parallel.adapters.hf_router_loss import check_router_loss_split, with_router_loss
 from lightning_parallel.adapters.hf_tensor import hf_head_dimensions, hf_tensor_plan, hf_untied_embeddings
-from lightning_parallel.parallel.adapter import ModelAdapter
+from lightning_parallel.parallel.adapter import LossWeighting, ModelAdapter
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan, defines_loss_terms, own_loss
 from lightning_parallel.parallel.pipeline.runner import default_item_count
 
@@ -44,12 +47,20 @@ SAMPLE_SHAPE = (2, 8)  # the chain check's synthetic batch: tiny, with one padde
 HF_KEY = "hugging_face"
 
 
+def _sample_shape(model: nn.Module) -> tuple[int, int]:
+    """:data:`SAMPLE_SHAPE`, its rows longer than a short sliding window so that a wrong window shows (at most 64)."""
+    window = getattr(model.config, "sliding_window", None)
+    rows, length = SAMPLE_SHAPE
+    return rows, min(64, max(length, 2 * window + 2)) if isinstance(window, int) and window > 0 else length
+
+
 def _sample(model: nn.Module) -> Callable[[], tuple[Any, Any]]:
     def run() -> tuple[Any, Any]:
         device = next(model.parameters()).device
         generator = torch.Generator().manual_seed(0)
-        input_ids = torch.randint(0, model.config.vocab_size, SAMPLE_SHAPE, generator=generator).to(device)
-        attention_mask = torch.ones(SAMPLE_SHAPE, dtype=torch.long, device=device)
+        shape = _sample_shape(model)
+        input_ids = torch.randint(0, model.config.vocab_size, shape, generator=generator).to(device)
+        attention_mask = torch.ones(shape, dtype=torch.long, device=device)
         attention_mask[1, -3:] = 0  # a padded row: the chain must apply the padding mask as forward does
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         return inputs, model(**inputs, use_cache=False).logits
@@ -212,19 +223,29 @@ class HuggingFaceAdapter(ModelAdapter):
         self.targets_shifted = True
         return apply_hf_context(self.model, context)
 
+    def check_expert_parallel(self, size: int) -> None:
+        """The module's ``expert_parallel_plan()`` when it has one; else the model's own ``ep_plan`` must name experts
+        the suite computes, ``size`` dividing their count (:func:`~.hf_experts.check_hf_experts`)."""
+        if callable(getattr(self.module, "expert_parallel_plan", None)):
+            return super().check_expert_parallel(size)
+        check_hf_experts(self.model, size)
+
+    def apply_expert_parallel(self, model: nn.Module, mesh: Any, token_group: Optional[dist.ProcessGroup],
+                              kernel: Optional[Any] = None) -> list[str]:
+        """The module's plan when it has one; else each experts module of the model's ``ep_plan`` that ``model``
+        holds becomes this rank's share (:func:`~.hf_experts.apply_hf_experts`; dropless, so ``token_group``
+        decides nothing)."""
+        if callable(getattr(self.module, "expert_parallel_plan", None)):
+            return super().apply_expert_parallel(model, mesh, token_group, kernel)
+        return apply_hf_experts(model, self.prefix, mesh, kernel)
+
     def check_batch_split(self, splits: list[str]) -> None:
-        """A model returning its router's load-balancing loss (``output_router_logits=True``) is refused under any
-        split of the batch: that loss is not a token mean, so each part would form it from its own routing
-        statistics (measured: 0.004 off one process under data 2, 0.04 under pipeline 2, where the stages' loss
-        drops it). Expert parallelism with a global balancing loss is what makes it exact (issue 31)."""
-        if splits and getattr(self.model.config, "output_router_logits", False):
-            raise ValueError(
-                f"{type(self.model).__name__} adds its router's load-balancing loss (output_router_logits=True), "
-                f"which is formed from the routing statistics of the tokens it sees: {', '.join(splits)} would "
-                "form it per part of each batch (or drop it under pipelining), a different objective from one "
-                "process's. Set output_router_logits=False in the model config, or split the batch only by "
-                "tensor parallelism (tensor_parallel_size), which keeps every token on every rank."
-            )
+        """A model returning its router's load-balancing loss (``output_router_logits=True``) is refused under a
+        split of the batch that would change it: that loss is not a token mean, so each part would form it from its
+        own routing statistics (measured: 0.004 off one process under data 2, 0.04 under pipeline 2, where the
+        stages' loss drops it). Data (and expert) splits of the families in ``hf_experts.CHECKED_FAMILIES`` are
+        exact: :mod:`.hf_router_loss` sums the statistics over the ranks (see :meth:`loss_weighting`)."""
+        check_router_loss_split(self.model, splits)
 
     def prepare_activation_checkpointing(self) -> None:
         # As Hugging Face's own gradient checkpointing does: a KV cache built during training would be
@@ -235,23 +256,26 @@ class HuggingFaceAdapter(ModelAdapter):
     def loss_weighting(
         self, group: Optional[dist.ProcessGroup], data_parallel_size: int, accumulate_grad_batches: int = 1,
         warn: bool = True,
-    ) -> Optional[TokenWeightedLoss]:
-        """Token-weight a causal LM's own ``.loss`` over the data-parallel ranks (see :mod:`.hf_loss`); None with
-        one data-parallel rank (transformers' per-batch mean is then the batch's token mean already)."""
+    ) -> Optional[LossWeighting]:
+        """Token-weight a causal LM's own ``.loss`` over the data-parallel ranks (see :mod:`.hf_loss`), its router
+        balancing term made global first when it returns one (:mod:`.hf_router_loss`); None with one data-parallel
+        rank (transformers' per-batch mean is then the batch's token mean already)."""
         if data_parallel_size <= 1 or not is_causal_lm(self.model):
             return None
         if accumulate_grad_batches > 1 and warn:
             import warnings
 
             warnings.warn(ACCUMULATION_WARNING.format(accumulation=accumulate_grad_batches), stacklevel=2)
-        return TokenWeightedLoss(self.model, group_sum(group), data_parallel_size)
+        weighting = TokenWeightedLoss(self.model, group_sum(group), data_parallel_size)
+        return with_router_loss(self.model, weighting, group_sum(group), data_parallel_size)
 
     def init_module(self, name: str, module: nn.Module) -> None:
         """The model's own per-module initialiser (``_init_weights``: its ``initializer_range``, norms to one, the
         rotary ``inv_freq`` from the config) inside the Hugging Face model; the protocol's outside it."""
         inside = not self.prefix or name == self.prefix or name.startswith(self.prefix + ".")
         if inside:
-            _compat.hf_init_weights(self.model, module)
+            inner = name[len(self.prefix) + 1:] if self.prefix and name != self.prefix else ("" if self.prefix else name)
+            init_hf_module(self.model, inner, module)  # and constructor values where _init_weights sets none
         else:
             super().init_module(name, module)
 
