@@ -6,14 +6,13 @@ The suite initialises a model built on ``meta`` module by module with the model'
 and ``eps`` buffers) -- so after ``to_empty`` they would hold whatever the memory held (measured: 7.6e31 in
 ``alpha_n`` under tensor 2), and some are set by their parent's branch (Qwen3-Next's sparse MoE block draws
 its router's weight), which a module initialised on its own never meets. :func:`init_hf_module` finds them
-(floating tensors still NaN after the initialiser ran on NaN-filled ones), runs the parents' branches on a
-meta copy of the parent holding the module, and for what is still unset takes the values of a fresh instance
+(floating tensors still NaN after the initialiser ran on NaN-filled ones), runs the ancestors' branches on
+stand-ins for them holding the module alone, and for what is still unset takes the values of a fresh instance
 of the module's class built as the model's constructor built it (its defaults, the config, the layer index).
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 from typing import Optional
 
@@ -44,25 +43,49 @@ def _owner(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
     return model
 
 
-def _from_parents(model: nn.Module, name: str, module: nn.Module) -> None:
-    """Run each enclosing module's ``_init_weights`` branch on a meta copy of it holding ``module``.
+def _stand_in(ancestor: nn.Module, attr: str, child: nn.Module) -> Optional[nn.Module]:
+    """An instance of ``ancestor``'s class with its plain attributes (config, sizes) and ``child`` as its only child;
+    no tensor is copied (the ancestor may be sharded by FSDP2, or not materialised). None if it cannot be made."""
+    from torch.distributed.fsdp import FSDPModule
 
-    transformers initialises some tensors from their parent's branch (Qwen3-Next's sparse MoE block draws its
-    router's weight): a copy of the parent on the meta device, with ``module`` put in its place, lets that branch
-    write into ``module`` alone. Hugging Face models themselves are not copied (that would be the whole model).
+    # FSDP2 gives a sharded module a class of its own (FSDP<Name>): the stand-in is of the model's class.
+    cls = next(c for c in type(ancestor).__mro__ if not issubclass(c, FSDPModule))
+    try:
+        holder = cls.__new__(cls)
+        nn.Module.__init__(holder)
+        for key, value in vars(ancestor).items():
+            if not key.startswith("_") and not isinstance(value, (nn.Module, Tensor)) and key != "training":
+                setattr(holder, key, value)
+        setattr(holder, attr, child)
+    except (AttributeError, TypeError):
+        return None
+    return holder
+
+
+def _from_ancestors(model: nn.Module, name: str, module: nn.Module, floating: list[tuple[str, Tensor]]) -> None:
+    """Run the enclosing modules' ``_init_weights`` branches, innermost first, on stand-ins holding ``module`` alone.
+
+    transformers initialises some tensors from an ancestor's branch: Qwen3-Next's sparse MoE block draws its
+    router's weight, Falcon-H1's base model writes each mixer's ``mup_vector``. Each stand-in
+    (:func:`_stand_in`) holds only the path down to ``module``, so a branch writes into ``module`` and nothing
+    else; a branch that needs a sibling the stand-in lacks is skipped.
     """
-    parts = name.split(".")
-    for depth in range(len(parts) - 1, 0, -1):
+    parts, child = name.split("."), module
+    for depth in range(len(parts) - 1, -1, -1):
+        where = ".".join(parts[:depth])
         try:
-            parent = model.get_submodule(".".join(parts[:depth]))
+            holder = _stand_in(model.get_submodule(where), parts[depth], child)
         except AttributeError:
             return
-        if is_hf_model(parent):
+        if holder is None:
             return
-        holder = copy.deepcopy(parent).to_empty(device="meta")
-        inner = holder.get_submodule(".".join(parts[depth:-1])) if depth < len(parts) - 1 else holder
-        setattr(inner, parts[-1], module)
-        _compat.hf_init_weights(_owner(model, name, holder), holder)
+        try:
+            _compat.hf_init_weights(_owner(model, where, holder), holder)
+        except (AttributeError, TypeError, IndexError, KeyError):
+            pass
+        if not _unset(floating):
+            return
+        child = holder
 
 
 def _fresh(model: nn.Module, name: str, module: nn.Module, dtype: torch.dtype) -> Optional[dict[str, Tensor]]:
@@ -109,7 +132,7 @@ def init_hf_module(model: nn.Module, name: str, module: nn.Module) -> None:
             tensor.fill_(float("nan"))
         _compat.hf_init_weights(_owner(model, name, module), module)
         if name and _unset(floating):
-            _from_parents(model, name, module)
+            _from_ancestors(model, name, module, floating)
     unset = _unset(floating)
     if not unset:
         return

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_parallel import _compat
 from lightning_parallel.adapters.hf import causal_lm_loss_terms, causal_lm_valid_count, find_hf_model
 from lightning_parallel.adapters.hf_context import (
     apply_hf_context,
@@ -274,7 +273,7 @@ class HuggingFaceAdapter(ModelAdapter):
         rotary ``inv_freq`` from the config) inside the Hugging Face model; the protocol's outside it."""
         inside = not self.prefix or name == self.prefix or name.startswith(self.prefix + ".")
         if inside:
-            inner = name[len(self.prefix) + 1:] if self.prefix and name != self.prefix else ("" if self.prefix else name)
+            inner = name[len(self.prefix) + 1:] if self.prefix else name  # the name inside the model ("": it)
             init_hf_module(self.model, inner, module)  # and constructor values where _init_weights sets none
         else:
             super().init_module(name, module)

@@ -100,3 +100,21 @@ def test_constructor_set_tensors_are_initialised_on_meta_as_from_config_sets_the
     expected = reference.model.model.layers[0].mlp.act_fn
     assert torch.equal(act.alpha_p, expected.alpha_p) and torch.equal(act.alpha_n, expected.alpha_n)
     assert torch.equal(act.beta, expected.beta)
+
+
+def test_tensors_an_ancestor_initialises_are_initialised_on_meta_as_from_config_sets_them():
+    """Qwen3-Next's router weight is drawn by its sparse MoE block's branch of ``_init_weights``, not its own."""
+    overrides = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                     linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+    with torch.device("meta"):
+        holder = Holder("qwen3_next", **overrides)
+    name = "model.model.layers.0.mlp.gate"
+    router = holder.get_submodule(name)
+    router.to_empty(device="cpu")
+    with torch.no_grad():
+        router.weight.fill_(float("nan"))
+    torch.manual_seed(0)
+    adapt(holder).init_module(name, router)
+    torch.manual_seed(0)
+    expected = torch.empty_like(router.weight).normal_(0.0, holder.model.config.initializer_range)
+    assert torch.equal(router.weight, expected)  # the parent's draw, not the constructor's zeros

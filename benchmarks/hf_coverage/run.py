@@ -1,0 +1,102 @@
+"""The matrix from end to end: classify the families, refuse before start, run each layout, judge, write."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from benchmarks.hf_coverage import cells, table, tiny
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs" / "hf-coverage.md"
+#: The families CI runs by default (tests/distributed/adapters/test_hf_coverage.py): one of each kind the
+#: adapters handle -- a plain decoder, fused projections, embedding/logit scalars, logit scaling, own block names,
+#: per-layer-type rotary, experts -- and one refusal.
+CI_SAMPLE = ("llama", "phi3", "granite", "cohere", "gpt_neox", "gemma3_text", "mixtral", "granite_swa")
+
+
+def needs(family: tiny.Family, layout: str) -> bool:
+    """Whether ``family`` has the plan ``layout`` splits it by."""
+    plan = cells.LAYOUTS[layout][1]
+    return (plan is None or (plan == "tp" and family.tp_plan) or (plan == "pp" and family.pp_plan)
+            or (plan == "both" and family.tp_plan and family.pp_plan))
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _run(matrix: list[tiny.Family], wanted: dict[str, list[tiny.Family]], layouts: tuple[str, ...], out: Path,
+         cell_timeout: float, say: Callable[[str], None]) -> tuple[dict, dict]:
+    """``(refusals before start, runs)``: the suite's checks per cell, then one process and each layout."""
+    started = time.monotonic()
+    refused = {(f.model_type, layout): cells.refusal(f.model_type, layout)
+               for layout in layouts for f in wanted[layout]}
+    runs = {"single": cells.run_layout("single", [f.model_type for f in matrix], out, cell_timeout)}
+    say(f"single process: {len(matrix)} families ({time.monotonic() - started:.0f} s)")
+    for layout in layouts:
+        chosen = [f.model_type for f in wanted[layout] if not refused[f.model_type, layout]]
+        runs[layout] = cells.run_layout(layout, chosen, out, cell_timeout)
+        say(f"{layout}: {len(chosen)} run, {len(wanted[layout]) - len(chosen)} refused before start "
+            f"({time.monotonic() - started:.0f} s)")
+    return refused, runs
+
+
+def _meta(started: float, layouts: tuple[str, ...]) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    return {"transformers": transformers.__version__, "torch": torch.__version__, "date": date.today().isoformat(),
+            "seconds": time.monotonic() - started, "steps": cells.STEPS, "lr": cells.LR, "batch": cells.GLOBAL_BATCH,
+            "seq": cells.SEQ, "tolerance": table.TOLERANCE, "machine": platform.processor() or platform.machine(),
+            "layouts": list(layouts)}
+
+
+def run_matrix(selected: Optional[list[str]] = None, layouts: tuple[str, ...] = tuple(table.COLUMNS),
+               out: Optional[Path] = None, cell_timeout: float = cells.CELL_TIMEOUT,
+               say: Callable[[str], None] = _say, resume: bool = False) -> dict[str, Any]:
+    """Run the matrix; ``{"meta", "summary", "cells", "families", "losses"}`` are also saved as ``results.json``,
+    ``"matrix"`` (the families) and ``"verdicts"`` are for :func:`write_docs`.
+
+    Args:
+        selected: model types (default: every causal-LM model type of the installed transformers).
+        layouts: the layouts to run (of :data:`~.table.COLUMNS`); cells of the others are ``-``.
+        out: the results folder (default ``benchmarks/results/<date>/hf_coverage``).
+        cell_timeout: seconds for one family in one launch before it counts as hung.
+        say: where progress lines go.
+        resume: keep the cells already saved in ``out`` (a run that was stopped) instead of running them again.
+    """
+    started = time.monotonic()
+    out = out or ROOT / "benchmarks" / "results" / date.today().isoformat() / "hf_coverage"
+    if not resume and out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    found = tiny.families(selected)
+    matrix = [family for family in found if family.kind == "matrix"]
+    say(f"{len(found)} causal-LM model types: {len(matrix)} in the matrix, "
+        f"{sum(f.kind in ('wrapper', 'unbuildable') for f in found)} with a plan outside it")
+    wanted = {layout: [f for f in matrix if needs(f, layout)] for layout in table.COLUMNS}
+    refused, runs = _run(matrix, wanted, layouts, out, cell_timeout, say)
+    verdicts = {f.model_type: {layout: table.verdict(refused.get((f.model_type, layout)),
+                                                     runs.get(layout, {}).get(f.model_type),
+                                                     runs["single"].get(f.model_type)) for layout in table.COLUMNS}
+                for f in matrix}
+    summary = table.coverage(verdicts, {layout: [f.model_type for f in wanted[layout]] if layout in layouts else []
+                                        for layout in table.COLUMNS})
+    result = {"meta": _meta(started, layouts), "summary": summary, "cells": table.as_json(verdicts),
+              "families": [vars(f) for f in found], "matrix": found, "verdicts": verdicts,
+              "losses": {layout: {m: r.get("losses") for m, r in per.items() if r} for layout, per in runs.items()}}
+    out.mkdir(parents=True, exist_ok=True)
+    saved = {k: v for k, v in result.items() if k not in ("matrix", "verdicts")}
+    (out / "results.json").write_text(json.dumps(saved, indent=1, default=str))
+    return result
+
+
+def write_docs(result: dict[str, Any], path: Path = DOCS) -> None:
+    """The markdown page of ``result`` (from :func:`run_matrix`)."""
+    path.write_text(table.markdown(result["meta"], result["matrix"], result["verdicts"], result["summary"]))
