@@ -129,6 +129,24 @@ def _zero_init_open() -> bool:
     return bool(getattr(sys.modules.get("deepspeed.runtime.zero.partition_parameters"), "zero_init_context", 0))
 
 
+def _all_on_meta(model: nn.Module) -> nn.Module:
+    """A model built on ``meta`` whose constructor made some tensors with storage anyway (DiffLlama draws its
+    ``lambda_*`` with ``torch.normal(..., size=...)``, which ignores the default device) gets those on ``meta`` too:
+    the strategy materialises and initialises every tensor of its share (``_init_weights`` covers them), and
+    refuses a model holding both kinds. A model built with storage is returned as it is."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if not any(t.is_meta for t in tensors) or all(t.is_meta for t in tensors):
+        return model
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not param.is_meta:
+                setattr(module, name, nn.Parameter(param.to("meta"), requires_grad=param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if not buffer.is_meta:
+                setattr(module, name, buffer.to("meta"))
+    return model
+
+
 def new_model(cfg: Any, attn_implementation: str) -> nn.Module:
     """``AutoModelForCausalLM.from_config``; inside ``deepspeed.zero.Init`` without transformers' own initialisation.
 
@@ -138,7 +156,7 @@ def new_model(cfg: Any, attn_implementation: str) -> nn.Module:
     """
     transformers = _transformers()
     if not _zero_init_open():
-        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
+        return _all_on_meta(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation))
     from transformers.initialization import no_init_weights
 
     with no_init_weights():
@@ -278,7 +296,7 @@ class HFCausalLM(BuildsInConfigureModel, pl.LightningModule):
     def configure_optimizers(self) -> Any:
         # Matrices decay; biases, norms and the token embedding do not. A tied head is the embedding under
         # another name (a pipeline stage holding only the head sees that name): it must not decay either.
-        tied = self.model.config.tie_word_embeddings
+        tied = getattr(self.model.config, "tie_word_embeddings", False)  # not every config has it (Inkling)
         groups = weight_decay_groups(
             self, self.hparams.weight_decay, exempt=lambda name: "embed" in name or (tied and "lm_head" in name)
         )

@@ -124,6 +124,7 @@ def hf_tensor_plan(prefix: str, model: nn.Module, *, sequence_parallel: bool = F
         # transformers < 5 plans leave the embedding out; the tied head would then be sharded alone.
         plan = {embed: "embedding_rowwise", **plan}
     plan.update(_on_sharded_features(model, plan))
+    plan.update(_per_head_parameters(model, plan))
     if plan and sequence_parallel:
         plan.update(sequence_parallel_entries(model, plan))
     root = f"{prefix}." if prefix else ""
@@ -159,6 +160,32 @@ def _on_sharded_features(model: nn.Module, plan: dict[str, Any]) -> dict[str, An
             if (isinstance(sub, nn.Module) and any(True for _ in sub.parameters())
                     and not any(fnmatch.fnmatchcase(name, key) for key in plan)):
                 entries[name] = SumGradientsOnUse()
+    return entries
+
+
+def _per_head_parameters(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """Refusals for modules holding a parameter of one entry per head next to their column-sharded projections,
+    that the plan leaves whole (Doge's ``A``): each rank computes only its heads, and would meet all of them
+    (measured before: "The size of tensor a (2) must match the size of tensor b (4)" on every rank, after start)."""
+    import fnmatch
+
+    config = _text_config(model)
+    counts = {getattr(config, key, None) for key in ("num_attention_heads", "num_key_value_heads")} - {None}
+    names = [name for name, _ in model.named_modules() if name]
+    sharded = {name.rsplit(".", 1)[0] for key, value in plan.items() if value == "colwise"
+               for name in names if "." in name and fnmatch.fnmatchcase(name, key)}
+    entries: dict[str, Any] = {}
+    for parent in sorted(sharded):
+        if any(fnmatch.fnmatchcase(parent, key) for key in plan):
+            continue  # the plan says what to do with it (transformers' local_params for attention sinks)
+        held = [attr for attr, param in model.get_submodule(parent).named_parameters(recurse=False)
+                if param.ndim >= 1 and param.shape[0] in counts]
+        if held:
+            entries[parent] = RefusedStyle(
+                "(none: parameters per head)", type(model).__name__,
+                f"{type(model.get_submodule(parent)).__name__} holds {held}, one entry per head, which no entry of the "
+                "plan shards with the heads of its column-sharded projections: each rank would meet every head's "
+                "entries with its own share of the heads")
     return entries
 
 

@@ -1,5 +1,18 @@
 """Start training from a Hugging Face ``save_pretrained`` folder under any layout, each rank reading only its shard.
 
+With ``lp-train`` and the HF recipe, ``model.pretrained=DIR`` alone takes the folder's config, vocabulary and
+weights (the recipe adds this callback itself). For any other module, add it from the command line::
+
+    lp-train ... +callbacks.hf_weights._target_=lightning_parallel.callbacks.HuggingFaceWeights \
+                 +callbacks.hf_weights.folder=DIR
+
+or in a callbacks config (``conf/callbacks/<name>.yaml``)::
+
+    hf_weights:
+      _target_: lightning_parallel.callbacks.HuggingFaceWeights
+      folder: /path/to/save_pretrained_folder
+      # prefix: "model."     # the model's attribute path; found by itself when the module holds one model
+
 Note:
     The weights are loaded in ``on_fit_start`` (and ``on_validation_start``/``on_test_start``/
     ``on_predict_start`` outside ``fit``): Lightning calls these after the strategy's

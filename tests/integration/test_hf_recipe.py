@@ -5,7 +5,9 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -16,6 +18,8 @@ from lightning_parallel.testing import run_processes
 from tests.integration.recipe_runs import fit_pretrained_cases, full_documents
 
 pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # experiment -> (data, pipeline, tensor) sizes at its default device count
 EXPERIMENTS = {"hf_tensor": (1, 1, 2), "hf_pipeline": (1, 2, 1), "hf_hybrid": (1, 2, 2)}
@@ -107,3 +111,58 @@ def test_pretrained_folder_is_the_start_of_every_layout(tmp_path):
             first = result["losses"][0]
             print(f"{name} rank {rank}: first loss {first:.6f}, from_pretrained {expected:.6f}")
             assert abs(first - expected) < 1e-5, (name, rank, first, expected)
+
+
+class FirstBatchLoss(pl.Callback):
+    """Test-only: rank 0 saves the first training batch and its global loss (what ``lp-train`` logs at step 0)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import torch
+
+        if trainer.global_step != 1 or batch_idx != 0:
+            return
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        value = float(trainer.strategy.reduce(loss.detach().double(), reduce_op="mean"))
+        if trainer.global_rank == 0:
+            torch.save({"batch": {k: v.detach().cpu() for k, v in batch.items()}, "loss": value}, self.path)
+
+
+@pytest.mark.slow
+def test_lp_train_hf_hybrid_fine_tunes_a_pretrained_folder_with_one_override(tmp_path):
+    """``lp-train experiment=hf_hybrid model.pretrained=DIR``: config, vocabulary (160, not the recipe's 128) and
+    weights from the folder on pp2 x tp2 (4 processes), the first logged loss is ``from_pretrained(DIR)``'s on that
+    batch, and ``lp-convert --to hf`` writes a folder ``from_pretrained`` loads."""
+    import torch
+    import transformers
+
+    from examples.nlp.hf_causal_lm import build_config
+
+    folder = tmp_path / "pretrained"
+    torch.manual_seed(123)
+    transformers.AutoModelForCausalLM.from_config(build_config("qwen2", vocab_size=PRETRAINED_VOCAB)).save_pretrained(
+        folder)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", "PYTHONPATH": str(ROOT)}
+    record = tmp_path / "first.pt"
+    args = ["experiment=hf_hybrid", f"model.pretrained={folder}", *TINY_RUN, f"hydra.run.dir={tmp_path}/run",
+            f"+callbacks.first._target_={__name__}.FirstBatchLoss", f"+callbacks.first.path={record}"]
+    result = subprocess.run([sys.executable, "-m", "lightning_parallel.cli.train", *args], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    first = torch.load(record, weights_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).float()
+    with torch.no_grad():
+        expected = float(model(**first["batch"]).loss)
+    print(f"hf_hybrid first loss {first['loss']:.6f}, from_pretrained on that batch {expected:.6f}")
+    assert abs(first["loss"] - expected) < 1e-5
+    checkpoint = next((tmp_path / "run" / "checkpoints").glob("last*"))
+    exported = tmp_path / "exported"
+    convert = subprocess.run([sys.executable, "-m", "lightning_parallel.cli.convert", str(checkpoint), str(exported),
+                              "--to", "hf"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert convert.returncode == 0, convert.stdout[-2000:] + convert.stderr[-3000:]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    assert loaded.config.vocab_size == PRETRAINED_VOCAB and type(loaded).__name__ == "Qwen2ForCausalLM"
+    with torch.no_grad():
+        assert torch.isfinite(loaded(**first["batch"]).loss)
