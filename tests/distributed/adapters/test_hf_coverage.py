@@ -22,11 +22,11 @@ from benchmarks.hf_coverage import CI_SAMPLE, cells, run_matrix, table  # noqa: 
 REFUSED = {("granite_swa", "tp2"): "local_params", ("granite_swa", "pp2xtp2"): "local_params"}
 # Cells of the whole matrix known not to be PARITY or a refusal, with the cause (docs/hf-coverage.md); a new one
 # fails the extended test.
-KNOWN_DEFECTS = {
-    ("doge", "tp2"): "transformers' plan rowwise-shards dt_proj but Doge's A stays whole: shapes differ at start",
-    ("falcon_h1", "tp2"): "mup_vector is set by FalconH1Model's own _init_weights branch: unset on meta",
-    ("gemma4_text", "tp2"): "tied embedding 8e-5 off one process after 4 steps (cause not found)",
-    ("gemma4_unified_text", "tp2"): "tied embedding 1.2e-4 off one process after 4 steps (cause not found)",
+KNOWN_DEFECTS = {  # Gemma 4: only the tied embedding drifts (losses within 1e-6); its cause is not found yet
+    ("gemma4_text", "tp2"): "tied embedding 8.2e-5 off one process after 4 steps",
+    ("gemma4_text", "dp2_zero2"): "tied embedding 1.1e-5 off one process after 4 steps",
+    ("gemma4_unified_text", "tp2"): "tied embedding 1.2e-4 off one process after 4 steps",
+    ("gemma4_unified_text", "dp2_zero2"): "tied embedding 1.3e-5 off one process after 4 steps",
 }
 
 

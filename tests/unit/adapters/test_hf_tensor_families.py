@@ -118,3 +118,17 @@ def test_tensors_an_ancestor_initialises_are_initialised_on_meta_as_from_config_
     torch.manual_seed(0)
     expected = torch.empty_like(router.weight).normal_(0.0, holder.model.config.initializer_range)
     assert torch.equal(router.weight, expected)  # the parent's draw, not the constructor's zeros
+
+
+def test_a_per_head_parameter_the_plan_leaves_whole_is_refused_before_start():
+    """Doge's attention holds ``A``, one entry per key/value head, beside its column-sharded projections."""
+    from lightning_parallel.layout import ParallelLayout
+    from lightning_parallel.parallel.compose import check_module
+    from lightning_parallel.parallel.options import ParallelOptions
+
+    holder = Holder("doge")
+    refusal = r"DogeAttention holds \['A'\], one entry per head.*Replace or remove the entry"
+    with pytest.raises(ValueError, match=refusal):
+        check_module(holder, ParallelLayout(2, 1, 1, 2), ParallelOptions(1, 1, 2))
+    plan = resolve_plan(holder, {"model.model.layers.*.self_attn": None})  # the user's plan= may lift it
+    assert "model.model.layers.0.self_attn" not in plan
