@@ -138,3 +138,22 @@ def fit_text_epochs(model_factory, world_size, strategy, epochs, *, batches, glo
                 ckpt_path=ckpt_path)
     return history.losses
 
+
+def run_recorded_cases(rank: int, world_size: int, fit: Callable[..., Any], cases: dict) -> dict[str, object]:
+    """Rank function: ``fit(*case, world_size=world_size)`` for every case in turn; a case that raises is recorded as
+    its error text (all ranks raise alike), so the other cases of the launch still run and each test reports its own.
+
+    Args:
+        rank: this process's rank.
+        world_size: number of processes.
+        fit: a module-level function of the test (``fit(*case, world_size=...) -> result``).
+        cases: name -> the positional arguments of ``fit``.
+    """
+    out: dict[str, object] = {}
+    for name, case in cases.items():
+        try:
+            out[name] = fit(*case, world_size=world_size)
+        except Exception as error:  # noqa: BLE001 - reported by the test of that case
+            out[name] = f"{type(error).__name__}: {error}"
+    return out
+

@@ -30,6 +30,7 @@ from lightning_parallel.strategies import HybridParallelStrategy  # noqa: E402
 from lightning_parallel.testing import LossHistory, max_abs_difference, run_processes  # noqa: E402
 from lightning_parallel.testing.fit import quiet_trainer  # noqa: E402
 from lightning_parallel.testing.models import FixedOrderData  # noqa: E402
+from tests.distributed.parity_runs import run_recorded_cases  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -168,29 +169,18 @@ def _fit(family: str, samples: str, layout: str, control: bool, world_size: int)
     return out
 
 
-def _run(rank: int, world_size: int, cases: dict) -> dict[str, object]:
-    """Every case in turn; a case that raises is recorded (all ranks raise alike) so the others still run."""
-    out: dict[str, object] = {}
-    for name, case in cases.items():
-        try:
-            out[name] = _fit(*case, world_size=world_size)
-        except Exception as error:  # noqa: BLE001 - reported by the test of that case
-            out[name] = f"{type(error).__name__}: {error}"
-    return out
-
-
 def _reference(references: dict, case: str) -> list[float]:
     return references["/".join(case.removeprefix("control/").split("/")[:2])]["reduced"]
 
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    return run_processes(_run, 1, REFERENCES, timeout=600)[0]
+    return run_processes(run_recorded_cases, 1, _fit, REFERENCES, timeout=600)[0]
 
 
 @pytest.fixture(scope="module")
 def two_process_runs() -> list[dict]:
-    return run_processes(_run, 2, TWO_PROCESS, timeout=900)
+    return run_processes(run_recorded_cases, 2, _fit, TWO_PROCESS, timeout=900)
 
 
 def _check_parity(references: dict, per_rank: list[dict], case: str) -> float:
@@ -229,6 +219,6 @@ def test_negative_control_dropping_padding_or_documents_fails_the_comparison(ref
 
 
 def test_context_composed_with_tensor_data_and_pipeline_on_four_ranks(references):
-    per_rank = run_processes(_run, 4, FOUR_PROCESS, timeout=900)
+    per_rank = run_processes(run_recorded_cases, 4, _fit, FOUR_PROCESS, timeout=900)
     for case in FOUR_PROCESS:
         _check_parity(references, per_rank, case)

@@ -35,6 +35,7 @@ from lightning_parallel.strategies import HybridParallelStrategy  # noqa: E402
 from lightning_parallel.testing import LossHistory, max_abs_difference, run_processes  # noqa: E402
 from lightning_parallel.testing.fit import quiet_trainer  # noqa: E402
 from lightning_parallel.testing.models import FixedOrderData  # noqa: E402
+from tests.distributed.parity_runs import run_recorded_cases  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -139,17 +140,6 @@ def _fit(family: str, layout: str, world_size: int) -> dict[str, object]:
             "meta": getattr(model, "built_on_meta", False)}
 
 
-def _run(rank: int, world_size: int, cases: dict) -> dict[str, object]:
-    """Every case in turn; a case that raises is recorded (all ranks raise alike) so the others still run."""
-    out: dict[str, object] = {}
-    for name, case in cases.items():
-        try:
-            out[name] = _fit(*case, world_size=world_size)
-        except Exception as error:  # noqa: BLE001 - reported by the test of that case
-            out[name] = f"{type(error).__name__}: {error}"
-    return out
-
-
 # case -> (family, layout); its reference is the family's one-process run (the control's: with the router term)
 REFERENCES = {family: (family, "one_process")
               for family in [*FAMILIES, "qwen3_moe+meta", "mixtral+meta", "qwen3_moe+router", "mixtral+router"]}
@@ -178,7 +168,7 @@ def _reference_of(case: str) -> str:
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    return run_processes(_run, 1, REFERENCES, timeout=600)[0]
+    return run_processes(run_recorded_cases, 1, _fit, REFERENCES, timeout=600)[0]
 
 
 def _expert_size(case: str) -> int:
@@ -208,7 +198,7 @@ def _check_parity(references: dict, per_rank: list[dict], case: str) -> float:
 
 @pytest.fixture(scope="module")
 def two_process_runs() -> list[dict]:
-    return run_processes(_run, 2, TWO_PROCESS, timeout=600)
+    return run_processes(run_recorded_cases, 2, _fit, TWO_PROCESS, timeout=600)
 
 
 def _check_control(references: dict, per_rank: list[dict], case: str) -> None:
@@ -229,7 +219,7 @@ def test_a_balancing_term_formed_per_rank_is_caught(references, two_process_runs
 
 
 def test_experts_composed_with_data_tensor_pipeline_and_context_on_four_ranks_and_the_control(references):
-    per_rank = run_processes(_run, 4, FOUR_PROCESS, timeout=1200)
+    per_rank = run_processes(run_recorded_cases, 4, _fit, FOUR_PROCESS, timeout=1200)
     for case in FOUR_PROCESS:
         if not case.startswith("control/"):
             _check_parity(references, per_rank, case)

@@ -30,6 +30,7 @@ from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrateg
 from lightning_parallel.testing import LossHistory, max_abs_difference, run_processes  # noqa: E402
 from lightning_parallel.testing.fit import quiet_trainer  # noqa: E402
 from lightning_parallel.testing.models import FixedOrderData  # noqa: E402
+from tests.distributed.parity_runs import run_recorded_cases  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -152,17 +153,6 @@ def _fit(model: str, strategy: str, trainer_kwargs: dict, control: bool, world_s
     return {"reduced": history.losses, "local": history.local_losses}
 
 
-def _run(rank: int, world_size: int, cases: dict) -> dict[str, object]:
-    """Every case in turn; a case that raises is recorded (all ranks raise alike) so the others still run."""
-    out: dict[str, object] = {}
-    for name, case in cases.items():
-        try:
-            out[name] = _fit(*case, world_size=world_size)
-        except Exception as error:  # noqa: BLE001 - reported by the test of that case
-            out[name] = f"{type(error).__name__}: {error}"
-    return out
-
-
 def _reference(references: dict, case: str) -> list[float]:
     name = case.removeprefix("control/").split("/")[0] + ("/accumulate" if case.endswith("/accumulate") else "")
     return references[name]["reduced"]
@@ -170,12 +160,12 @@ def _reference(references: dict, case: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    return run_processes(_run, 1, REFERENCES)[0]
+    return run_processes(run_recorded_cases, 1, _fit, REFERENCES)[0]
 
 
 @pytest.fixture(scope="module")
 def two_process_runs() -> list[dict]:
-    return run_processes(_run, 2, TWO_PROCESS, timeout=900)
+    return run_processes(run_recorded_cases, 2, _fit, TWO_PROCESS, timeout=900)
 
 
 def _check_parity(references: dict, per_rank: list[dict], case: str) -> None:
@@ -205,7 +195,7 @@ def test_negative_control_the_per_rank_mean_fails_the_comparison(references, two
 
 
 def test_pipelined_gpt_counts_the_global_batch_and_matches_one_process(references):
-    per_rank = run_processes(_run, 4, FOUR_PROCESS, timeout=900)
+    per_rank = run_processes(run_recorded_cases, 4, _fit, FOUR_PROCESS, timeout=900)
     _check_parity(references, per_rank, "gpt/dp2xpp2")
     # Negative control: per-micro-batch means, averaged, miss the padded comparison.
     for results in per_rank:
