@@ -315,3 +315,17 @@ def test_no_function_over_the_line_limit():
                 if lines > MAX_FUNCTION_LINES:
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
     assert offenders == [], f"functions over {MAX_FUNCTION_LINES} lines: " + "; ".join(offenders)
+
+
+def test_the_wheel_lists_every_subpackage_of_the_suite():
+    """pyproject.toml names packages one by one (conf/ and examples/ are mapped in), so a new subpackage left out
+    of the list installs nowhere; the wheel test finds that in minutes, this in milliseconds."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for init in (ROOT / "lightning_parallel").rglob("__init__.py")
+        if "__pycache__" not in init.parts
+    }
+    assert sorted(found - listed) == []
