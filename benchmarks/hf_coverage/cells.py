@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
+import lightning.pytorch as pl
 import torch
 
 from benchmarks.hf_coverage.tiny import VOCAB, tiny_config
@@ -117,18 +118,36 @@ def refusal(model_type: str, layout: str) -> Optional[str]:
 
 
 def _fit(model_type: str, layout: str, world_size: int) -> dict[str, Any]:
-    import lightning.pytorch as pl
-
     from lightning_parallel.testing.compare import StepRecorder, full_parameters
     from lightning_parallel.testing.fit import quiet_trainer
 
     pl.seed_everything(0, verbose=False)
     module, strategy = TinyFamily(model_type), strategy_for(layout)
-    recorder = StepRecorder()
-    trainer = quiet_trainer(world_size, strategy, STEPS, [recorder], limit_val_batches=0, num_sanity_val_steps=0)
+    recorder, first = StepRecorder(), FirstStepParameters()
+    trainer = quiet_trainer(world_size, strategy, STEPS, [recorder, first], limit_val_batches=0,
+                            num_sanity_val_steps=0)
     trainer.fit(module, datamodule=_data(strategy, world_size))
     params = full_parameters(trainer.lightning_module)
-    return {"losses": recorder.losses, "parameters": params if trainer.global_rank == 0 else None}
+    rank0 = trainer.global_rank == 0
+    return {"losses": recorder.losses, "parameters": params if rank0 else None,
+            "first_step_parameters": first.parameters}
+
+
+class FirstStepParameters(pl.Callback):
+    """The whole model's parameters after the first optimizer step, on rank 0 (``None`` elsewhere): a cell whose
+    final parameters are off is judged by them too (:func:`~.table.verdict`)."""
+
+    def __init__(self) -> None:
+        self.parameters: Optional[dict[str, torch.Tensor]] = None
+        self.taken = False
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        from lightning_parallel.testing.compare import full_parameters
+
+        if trainer.global_step == 1 and not self.taken:
+            self.taken = True
+            parameters = full_parameters(pl_module)  # a collective: every rank gathers
+            self.parameters = parameters if trainer.global_rank == 0 else None
 
 
 def _watchdog(state: dict[str, Any], timeout: float, log: Path) -> None:
@@ -204,12 +223,13 @@ def _load(folder: Path, layout: str, model_type: str, world_size: int) -> Option
         return None
     ranks = [torch.load(path, weights_only=True) for path in paths]
     return {"losses": [r["losses"] for r in ranks], "parameters": ranks[0]["parameters"],
-            "seconds": ranks[0]["seconds"]}
+            "first_step_parameters": ranks[0].get("first_step_parameters"), "seconds": ranks[0]["seconds"]}
 
 
 def run_layout(layout: str, model_types: list[str], folder: Path, cell_timeout: float = CELL_TIMEOUT,
                ) -> dict[str, dict[str, Any]]:
-    """Every family of ``model_types`` under ``layout``: ``{family: {"losses", "parameters", "seconds"}}``, or
+    """Every family of ``model_types`` under ``layout``: ``{family: {"losses", "parameters",
+    "first_step_parameters", "seconds"}}``, or
     ``{"defect": cause}`` for a cell that raised or hung after the processes started.
 
     One launch runs the families in turn, saving each result as it finishes; a cell that fails or hangs ends
