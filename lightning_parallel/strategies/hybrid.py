@@ -31,10 +31,7 @@ from lightning_parallel.adapters import ModelAdapter
 from lightning_parallel.checkpoints import optimizer_state_dict, resolve_checkpoint, save_sharded_checkpoint
 from lightning_parallel.checkpoints.lightning.writer import parameter_order_entry
 from lightning_parallel.checkpoints.resume import resume_from
-from lightning_parallel.layout import (
-    PIPELINE_PARALLEL,
-    ParallelLayout,
-)
+from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout
 from lightning_parallel.parallel.compose import Parallelized, check_module, parallelize
 from lightning_parallel.parallel.data import deferred_gradient_sync
 from lightning_parallel.parallel.experts.sharded import reduce_expert_gradients
@@ -49,6 +46,7 @@ from lightning_parallel.strategies.clipping import GlobalNormClipping
 from lightning_parallel.strategies.layer_timing import agreed_layer_times
 from lightning_parallel.strategies.meshes import RunMeshes
 from lightning_parallel.strategies.resolved_adapter import resolved_adapter
+from lightning_parallel.strategies.resume_order import resumed_shuffle_notice
 from lightning_parallel.strategies.timeouts import CollectiveTimeout, names_timeouts
 
 __all__ = ["CollectiveTimeout", "HybridParallelStrategy"]
@@ -98,14 +96,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     strategy_name = "hybrid_parallel"
 
-    def __init__(
-        self,
-        options: Optional[ParallelOptions] = None,
-        *,
-        process_group_backend: Optional[str] = None,
-        load_optimizer_state: bool = True,
-        **option_kwargs: Any,
-    ) -> None:
+    def __init__(self, options: Optional[ParallelOptions] = None, *, process_group_backend: Optional[str] = None,
+                 load_optimizer_state: bool = True, **option_kwargs: Any) -> None:
         self.load_optimizer_state = _checked_load_optimizer_state(load_optimizer_state)
         self.options = options_from(options, option_kwargs, type(self).__name__)
         super().__init__(
@@ -258,6 +250,13 @@ class HybridParallelStrategy(ModelParallelStrategy):
             from lightning_parallel.runtime.console import print_table
 
             print_table("lightning_parallel: pipeline split", list(split.describe().items()))
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        notice = resumed_shuffle_notice(self.lightning_module.trainer, dataloader, self.layout.shape)
+        if notice is not None:  # at the training loader's preparation: once per fit (per reload with reloading)
+            rank_zero_info(notice)
+        return dataloader
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
