@@ -27,6 +27,11 @@ this suite, which use them to split the model:
   ``(loss_sum, num_items)`` of one (micro)batch, and the suite takes the loss of a global
   batch as ``sum(loss_sum) / sum(num_items)`` over all its micro-batches and data-parallel
   ranks -- the single-process loss -- instead of averaging per-micro-batch means.
+* ``pipeline_step_begin(step)`` and ``pipeline_step_end(step)`` -- optional, for a term over the whole step
+  that the stages' chain does not carry (a router's balancing loss): called on every rank before and after
+  each training schedule with a :class:`~lightning_parallel.parallel.pipeline.step_hooks.PipelineStep` (the
+  data and pipeline groups, micro-batches, schedule); a scalar ``pipeline_step_end`` returns (the same on every
+  rank) is added to the step's loss, whose gradient the module put in place during the schedule.
 * ``pipeline_split_batch(batch)`` -- how a batch splits into model input and target
   (default: an ``(inputs, targets)`` pair; a model adapter may know better -- for a module
   holding a Hugging Face model, a dict batch splits into the dict without ``labels`` and the

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -30,6 +30,7 @@ from ..building import BuildsInConfigureModel, NormalEmbedding, NormalLinear, se
 from ..optimization import weight_decay_groups, with_warmup_cosine
 from ..transformer import Block
 from .moe import MoEFeedForward, model_balancing_loss, moe_blocks, moe_settings
+from .moe_pipeline import pipeline_begin, schedule_refusal
 
 STD = 0.02  # every weight and embedding: N(0, STD); biases zero
 
@@ -190,16 +191,19 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
         return {"blocks.*.mlp.experts": "experts"} if self.hparams.get("moe") else {}
 
     def check_batch_split(self, splits: list[str]) -> None:
-        """The balancing loss and the sigmoid router's bias update happen in ``training_step``, which a pipeline
-        schedule does not call, over routing statistics every stage would hold a part of: refused there."""
-        moe = self.hparams.get("moe") or {}
-        pipelined = [s for s in splits if s.startswith("pipeline_parallel_size")]
-        if pipelined and (moe.get("aux_loss_weight") or moe.get("router") == "sigmoid"):
-            raise ValueError(
-                f"moe={moe} forms its balancing loss (aux_loss_weight) or updates its expert bias (router='sigmoid') "
-                f"in training_step, which the pipeline schedule of {pipelined[0]} does not call: set "
-                "aux_loss_weight=0 and router='softmax' under pipeline parallelism, or pipeline_parallel_size=1."
-            )
+        """The balancing loss needs the routing of the whole step: under a pipeline schedule that runs a backward
+        before the step's last forward it cannot be exact, and is refused (``examples/nlp/moe_pipeline.py``)."""
+        refusal = schedule_refusal(self.hparams.get("moe") or {}, splits)
+        if refusal is not None:
+            raise ValueError(refusal)
+
+    def pipeline_step_begin(self, step: Any) -> None:
+        """Under a pipeline schedule: the MoE blocks put the balancing loss's gradient in place during it."""
+        self._pipelined = pipeline_begin(self, step) if self.hparams.get("moe") else None
+
+    def pipeline_step_end(self, step: Any) -> Optional[Tensor]:
+        """The step's balancing loss (every stage's blocks), logged as ``training_step`` logs it on one process."""
+        return self._pipelined.step_end(self, moe_blocks(self)) if self._pipelined is not None else None
 
     def context_parallel_plan(self) -> dict[str, str]:
         """Context parallelism: each block's attention sees the whole sequence across the context ranks, and
@@ -294,6 +298,8 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
         return self.trainer.strategy.reduce(tensor, reduce_op="mean")
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if getattr(self, "_pipelined", None) is not None:
+            return  # a pipeline step updated the bias over its stage's data ranks (pipeline_step_end)
         for block in moe_blocks(self):
             if block.router_kind == "sigmoid":
                 block.update_expert_bias(mean=self._mean_over_ranks)

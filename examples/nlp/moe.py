@@ -181,6 +181,7 @@ class MoEFeedForward(nn.Module):
         self.register_buffer("routed_counts", torch.zeros(num_experts), persistent=False)
         self.routing_stats: list[RoutingStats] = []
         self.dropped_tokens = torch.zeros(())
+        self.pipelined = None  # a PipelinedBalancing while a pipeline schedule trains the block
 
     def reset_parameters(self) -> None:
         """Zero the expert bias and the step's counts (the router and experts initialise themselves)."""
@@ -226,7 +227,10 @@ class MoEFeedForward(nn.Module):
         rows = self.experts(flat[token_of], kept)
         out = torch.zeros_like(flat).index_add(0, token_of, rows * weights.flatten()[copies, None].to(rows.dtype))
         self._record(counts, probs, tokens, (counts - kept).sum())
-        return self.drop(out).reshape(x.shape)
+        out = self.drop(out).reshape(x.shape)
+        if self.training and self.pipelined is not None:  # under a pipeline schedule (examples/nlp/moe_pipeline.py)
+            out = self.pipelined.attach(self, out)
+        return out
 
     def _record(self, counts: Tensor, probs: Tensor, tokens: int, dropped: Tensor) -> None:
         self.dropped_tokens = dropped.detach()
@@ -236,6 +240,11 @@ class MoEFeedForward(nn.Module):
         self.routed_counts += counts
         self.routing_stats.append(RoutingStats(counts, probs.float().sum(0), counts.new_tensor(float(tokens)),
                                                self.dropped_tokens.float()))
+
+    def forget_last_forward(self) -> None:
+        """Undo the last training forward's record (a forward that was not one of the step's micro-batches)."""
+        if self.routing_stats:
+            self.routed_counts -= self.routing_stats.pop().counts
 
     def pop_routing_stats(self) -> list[RoutingStats]:
         """The stats recorded since the last call (one per training forward), and forget them.

@@ -144,7 +144,7 @@ def check_module(
     check_activation_checkpointing(module, options.activation_checkpointing, adapter=adapter)
     if layout.context_parallel_enabled:
         adapter.check_context_parallel(options.context_parallel_method, layout.context_parallel, layout.tensor_parallel)
-    adapter.check_batch_split(batch_splits(layout))
+    adapter.check_batch_split(batch_splits(layout, options.schedule))
     if layout.expert_parallel > 1:
         adapter.check_expert_parallel(layout.expert_parallel)
     return check_tensor(module, layout, options, adapter=adapter)
@@ -325,7 +325,7 @@ def _check_whole(module: nn.Module, layout: ParallelLayout, options: ParallelOpt
     plan = check_tensor(module, layout, options, adapter=adapter)
     if layout.context_parallel_enabled:  # on the whole model: a pipeline rank's share may hold no attention
         adapter.check_context_parallel(options.context_parallel_method, layout.context_parallel, layout.tensor_parallel)
-    adapter.check_batch_split(batch_splits(layout))
+    adapter.check_batch_split(batch_splits(layout, options.schedule))
     if layout.expert_parallel > 1:
         adapter.check_expert_parallel(layout.expert_parallel)
     return pipe, plan

@@ -20,11 +20,13 @@ if TYPE_CHECKING:
     from lightning_parallel.parallel.context.plan import SequenceSplit
 
 
-def batch_splits(layout: ParallelLayout) -> list[str]:
-    """How ``layout`` splits each global batch, as the settings that do it (for loss checks and messages)."""
+def batch_splits(layout: ParallelLayout, schedule: Optional[str] = None) -> list[str]:
+    """How ``layout`` splits each global batch, as the settings that do it (for loss checks and messages); the
+    pipeline entry names its ``schedule`` when given (``"pipeline_parallel_size=2 (schedule='1f1b')"``)."""
     sizes = [("data_parallel_size", layout.data_parallel), ("pipeline_parallel_size", layout.pipeline_parallel),
              ("context_parallel_size", layout.context_parallel)]
-    return [f"{name}={size}" for name, size in sizes if size > 1]
+    splits = [f"{name}={size}" for name, size in sizes if size > 1]
+    return [f"{s} (schedule={schedule!r})" if s.startswith("pipeline") and schedule else s for s in splits]
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from torch import Tensor
 from lightning_parallel.layout import PIPELINE_PARALLEL
 from lightning_parallel.parallel.adapter import LossWeighting, ModelAdapter
 from lightning_parallel.parallel.pipeline.runner import PipelineRunner, default_item_count
+from lightning_parallel.parallel.pipeline.step_hooks import PipelineStep
 from lightning_parallel.parallel.tensor.plan import loss_parallel_context
 
 if TYPE_CHECKING:
@@ -106,6 +107,7 @@ class PipelinedExecutor(DirectExecutor):
         # Terms (loss_sum, num_items) as the adapter's pipeline plan said: the module's
         # pipeline_loss_terms, or a causal LM's token-weighted loss.
         self.loss_terms = parallelized.loss_terms
+        self.parallelized_options = options
         self.count_items = parallelized.count_items or default_item_count
         self.runner = PipelineRunner(
             parallelized.stages,
@@ -152,12 +154,23 @@ class PipelinedExecutor(DirectExecutor):
             for param in module.parameters():
                 param.grad = None
         num_items = self._num_items(targets)
+        step = self._step(1.0 / accumulation)
+        begin, end = getattr(module, "pipeline_step_begin", None), getattr(module, "pipeline_step_end", None)
+        if callable(begin):
+            begin(step)
         with self.strategy.precision_plugin.train_step_context(), self._context():
-            loss = self.runner.train_step(inputs, targets, loss_scale=1.0 / accumulation, num_items=num_items)
+            loss = self.runner.train_step(inputs, targets, loss_scale=step.loss_scale, num_items=num_items)
+        extra = end(step) if callable(end) else None
         self._park_gradients()
         loss = self._data_parallel_mean(loss)
-        module.log("train_loss", loss, prog_bar=True)
-        return loss
+        module.log("train_loss", loss, prog_bar=True)  # the model output's loss, as training_step would log it
+        return loss if extra is None else loss + extra.to(loss.device, loss.dtype)
+
+    def _step(self, loss_scale: float) -> PipelineStep:
+        """What the module's pipeline-step hooks get for one step (:mod:`~.pipeline.step_hooks`)."""
+        options = self.parallelized_options
+        return PipelineStep(options.microbatches, options.schedule, loss_scale, self.dp_group, self.data_parallel,
+                            self.runner.group, self.runner.in_microbatch_forward)
 
     def evaluation_step(self, default: Default, batch: Any, name: str) -> Any:
         module = self.strategy.lightning_module

@@ -85,13 +85,16 @@ class PipelineRunner:
         data_parallel_size: int = 1,
         count_items: Optional[Callable[[Any], Tensor]] = None,
     ) -> None:
-        from torch.distributed.pipelining import PipelineStage, schedules
+        from torch.distributed.pipelining import schedules
+
+        from lightning_parallel.parallel.pipeline.microbatch_stage import MicrobatchStage
 
         self.microbatches, self.data_parallel_size = microbatches, data_parallel_size
         self.group, self.last_stage_rank = group, last_stage_rank
         self.modules, self.loss_scale, self.count_items = list(stages), 1.0, count_items or default_item_count
         self._predicting, self._user_loss = False, loss_fn
-        self.stages = [PipelineStage(mod, idx, num_stages, device, group=group) for mod, idx in zip(stages, stage_ids)]
+        self.stages = [MicrobatchStage(mod, idx, num_stages, device, group=group)
+                       for mod, idx in zip(stages, stage_ids)]
         self.has_first, self.has_last = 0 in stage_ids, num_stages - 1 in stage_ids
         self.tied = [entry for mod in stages for entry in getattr(mod, "tied", ())]
         cls = getattr(schedules, SCHEDULES[schedule][0])
@@ -106,6 +109,11 @@ class PipelineRunner:
         self._divisor: Optional[Tensor] = None  # items each rank divides its loss sum by (terms only)
         self.microbatch_scale = 1.0 / microbatches  # what each mean loss is multiplied by
         self._terms = False  # whether the last micro-batch losses came as (sum, count) terms
+
+    def in_microbatch_forward(self) -> bool:
+        """Whether one of this rank's stages is running a micro-batch forward of the schedule (not torch's
+        shape-inference forward: :mod:`.microbatch_stage`)."""
+        return any(stage.in_microbatch_forward for stage in self.stages)
 
     def _loss(self, output: Any, target: Any) -> Tensor:
         if self._predicting:  # torch computes a loss whenever a loss_fn is set; predict has no targets

@@ -227,3 +227,13 @@ def test_gpt_moe_built_on_meta_materialises_the_eager_values():
     for key, value in expected.items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
     assert not deferred.blocks["1"].mlp.routed_counts.is_meta
+
+
+def test_gpt_moe_balancing_loss_is_refused_under_a_schedule_that_runs_a_backward_before_the_last_forward():
+    model = GPT(**GPT_SIZE, moe={"num_experts": 4, "aux_loss_weight": 0.5})
+    with pytest.raises(ValueError, match="schedule='gpipe'"):
+        model.check_batch_split(["data_parallel_size=2", "pipeline_parallel_size=2 (schedule='1f1b')"])
+    model.check_batch_split(["pipeline_parallel_size=2 (schedule='gpipe')"])  # exact there
+    model.check_batch_split(["data_parallel_size=2", "context_parallel_size=2"])
+    GPT(**GPT_SIZE, moe={"num_experts": 4, "router": "sigmoid"}).check_batch_split(
+        ["pipeline_parallel_size=2 (schedule='1f1b')"])  # the bias update needs no schedule
