@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.adapters.hf_experts import CHECKED_FAMILIES
 from lightning_parallel.adapters.hf_loss import SumOverRanks, is_causal_lm
+from lightning_parallel.parallel.pipeline.step_hooks import FORWARDS_FIRST
 
 CONSISTENCY = 1e-5  # relative: the suite's local term against the model's returned aux_loss
 
@@ -149,9 +150,14 @@ class CombinedWeighting:
             yield
 
 
-#: Splits under which the balancing term cannot be made global: pipeline stages drop it (the stages' loss is the
-#: causal-LM loss), and a context share's attention mask is a descriptor, not the tokens' padding mask.
+#: Splits under which the balancing term cannot be made global: a pipeline schedule that runs a backward before the
+#: step's last forward (under ``gpipe`` :mod:`.hf_router_pipeline` makes it exact), and a context share, whose
+#: attention mask is a descriptor, not the tokens' padding mask.
 UNSUPPORTED_SPLITS = ("pipeline_parallel_size", "context_parallel_size")
+
+
+def _forwards_first(split: str) -> bool:
+    return split.startswith("pipeline_parallel_size") and any(f"schedule='{name}'" in split for name in FORWARDS_FIRST)
 
 
 def check_router_loss_split(model: nn.Module, splits: list[str]) -> None:
@@ -165,17 +171,19 @@ def check_router_loss_split(model: nn.Module, splits: list[str]) -> None:
     """
     if not splits or not has_router_loss(model):
         return
-    refused = [split for split in splits if split.startswith(UNSUPPORTED_SPLITS)]
+    refused = [split for split in splits if split.startswith(UNSUPPORTED_SPLITS) and not _forwards_first(split)]
     if refused or not can_globalise(model):
         family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-        why = (f"{', '.join(refused)} would form it per part of each batch (or drop it under pipelining)" if refused
+        why = (f"{', '.join(refused)} would form it per part of each batch (a pipeline schedule other than 'gpipe' "
+               "runs a backward before the step's routing is known)" if refused
                else f"{', '.join(splits)} would form it per part of each batch ({family}'s is not one the suite "
                f"makes global: {', '.join(CHECKED_FAMILIES.values())})")
         raise ValueError(
             f"{type(model).__name__} adds its router's load-balancing loss (output_router_logits=True), which is "
             f"formed from the routing statistics of the tokens it sees: {why}, a different objective from one "
-            "process's. Set output_router_logits=False in the model config, split the batch only by data and expert "
-            "parallelism (a checked family's term is then summed over the ranks), or only by tensor parallelism "
+            "process's. Set output_router_logits=False in the model config, split the batch only by data, expert and "
+            "pipeline parallelism with schedule='gpipe' (a checked family's term is then summed over the ranks), or "
+            "only by tensor parallelism "
             "(tensor_parallel_size), which keeps every token on every rank."
         )
 

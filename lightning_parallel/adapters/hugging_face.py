@@ -10,7 +10,7 @@ folder from. The module's own protocol methods always win over the model's answe
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -28,7 +28,8 @@ from lightning_parallel.adapters.hf_experts import apply_hf_experts, check_hf_ex
 from lightning_parallel.adapters.hf_init import init_hf_module
 from lightning_parallel.adapters.hf_loss import ACCUMULATION_WARNING, TokenWeightedLoss, group_sum, is_causal_lm
 from lightning_parallel.adapters.hf_pipeline import HFStage, hf_pipeline_layers
-from lightning_parallel.adapters.hf_router_loss import check_router_loss_split, with_router_loss
+from lightning_parallel.adapters.hf_router_loss import check_router_loss_split, has_router_loss, with_router_loss
+from lightning_parallel.adapters.hf_router_pipeline import PipelinedRouterLoss
 from lightning_parallel.adapters.hf_tensor import hf_head_dimensions, hf_tensor_plan, hf_untied_embeddings
 from lightning_parallel.parallel.adapter import LossWeighting, ModelAdapter
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan, defines_loss_terms, own_loss
@@ -243,8 +244,17 @@ class HuggingFaceAdapter(ModelAdapter):
         split of the batch that would change it: that loss is not a token mean, so each part would form it from its
         own routing statistics (measured: 0.004 off one process under data 2, 0.04 under pipeline 2, where the
         stages' loss drops it). Data (and expert) splits of the families in ``hf_experts.CHECKED_FAMILIES`` are
-        exact: :mod:`.hf_router_loss` sums the statistics over the ranks (see :meth:`loss_weighting`)."""
+        exact: :mod:`.hf_router_loss` sums the statistics over the ranks (see :meth:`loss_weighting`); so are
+        pipeline splits under ``gpipe`` (:mod:`.hf_router_pipeline`)."""
         check_router_loss_split(self.model, splits)
+
+    def pipeline_step_hooks(self, stages: Sequence[nn.Module], layout: Any) -> tuple[Optional[Callable], ...]:
+        """The module's hooks, or for a model returning its router's balancing loss the hooks of
+        :class:`~.hf_router_pipeline.PipelinedRouterLoss` over this rank's stages."""
+        if callable(getattr(self.module, "pipeline_step_begin", None)) or not has_router_loss(self.model):
+            return super().pipeline_step_hooks(stages, layout)
+        loss = PipelinedRouterLoss(self.model, stages, layout.tensor_parallel)
+        return loss.begin, loss.end
 
     def prepare_activation_checkpointing(self) -> None:
         # As Hugging Face's own gradient checkpointing does: a KV cache built during training would be

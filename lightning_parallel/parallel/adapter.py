@@ -17,8 +17,8 @@ Note:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Optional, Protocol
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Optional, Protocol
 
 from torch import nn
 
@@ -109,6 +109,17 @@ class ModelAdapter:
             "holds no Hugging Face model. Implement the module protocol (pipeline_layers and pipeline_loss_terms or "
             "pipeline_loss; see lightning_parallel/protocol.py and docs/protocol.md)."
         )
+
+    def pipeline_step_hooks(self, stages: Sequence[nn.Module], layout: Any) -> tuple[Optional[Callable], ...]:
+        """``(begin, end)``: what runs before and after each training schedule (:mod:`.pipeline.step_hooks`): the
+        module's ``pipeline_step_begin``/``pipeline_step_end`` where it defines them (None where not).
+
+        Args:
+            stages: this rank's stage modules.
+            layout: the run's :class:`~lightning_parallel.layout.ParallelLayout`.
+        """
+        return tuple(getattr(self.module, name, None) if callable(getattr(self.module, name, None)) else None
+                     for name in ("pipeline_step_begin", "pipeline_step_end"))
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
         """``(inputs, targets)`` of one batch: the module's ``pipeline_split_batch``,

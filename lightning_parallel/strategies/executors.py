@@ -123,6 +123,8 @@ class PipelinedExecutor(DirectExecutor):
             count_items=self.count_items,
         )
         self._parked: list[tuple[Tensor, Tensor]] = []
+        # A term over the whole step the stages' chain does not carry (step_hooks.py): the module's or the adapter's.
+        self.step_hooks = self.adapter.pipeline_step_hooks(parallelized.stages, parallelized.layout)
 
     def _num_items(self, targets: Any) -> Optional[Tensor]:
         """Items carrying a loss in the whole global batch: this rank's count summed over the data axis.
@@ -155,12 +157,12 @@ class PipelinedExecutor(DirectExecutor):
                 param.grad = None
         num_items = self._num_items(targets)
         step = self._step(1.0 / accumulation)
-        begin, end = getattr(module, "pipeline_step_begin", None), getattr(module, "pipeline_step_end", None)
-        if callable(begin):
+        begin, end = self.step_hooks
+        if begin is not None:
             begin(step)
         with self.strategy.precision_plugin.train_step_context(), self._context():
             loss = self.runner.train_step(inputs, targets, loss_scale=step.loss_scale, num_items=num_items)
-        extra = end(step) if callable(end) else None
+        extra = end(step) if end is not None else None
         self._park_gradients()
         loss = self._data_parallel_mean(loss)
         module.log("train_loss", loss, prog_bar=True)  # the model output's loss, as training_step would log it

@@ -11,7 +11,9 @@ under dp4/ep4 are also built on ``meta`` in ``configure_model`` (each rank mater
 included, with the model's own initialiser).
 
 With ``output_router_logits=True`` (weight 0.1) the model's own balancing loss is made global over the data ranks
-(:mod:`lightning_parallel.adapters.hf_router_loss`): Qwen3-MoE dp2/ep2, Mixtral dp4/ep2 and dp2 x tp2/ep2.
+(:mod:`lightning_parallel.adapters.hf_router_loss`): Qwen3-MoE dp2/ep2, Mixtral dp4/ep2 and dp2 x tp2/ep2; and
+through a ``gpipe`` pipeline schedule (:mod:`lightning_parallel.adapters.hf_router_pipeline`): Mixtral pp2, Mixtral
+and Qwen3-MoE dp2 x pp2/ep2 (its gradient left off, measured by hand: 2.2e-2 off under pp2).
 
 Negative controls: the experts' gradients left as each rank computed them (no expert-data reduction), and the
 balancing term formed from each rank's own tokens (the config says False, each call asks for router logits, so
@@ -123,7 +125,8 @@ def _strategy(layout: str):
         return "auto", 1
     control = layout.startswith("control:")
     sizes = dict(part.split("=") for part in layout.removeprefix("control:").split(","))
-    kwargs = {f"{axis}_parallel_size": int(n) for axis, n in sizes.items()}
+    schedule = {"schedule": sizes.pop("schedule")} if "schedule" in sizes else {}
+    kwargs = {**{f"{axis}_parallel_size": int(n) for axis, n in sizes.items()}, **schedule}
     return (ExpertsNotReduced if control else HybridParallelStrategy)(**kwargs), kwargs.get("data_parallel_size", 1)
 
 
@@ -148,6 +151,7 @@ TWO_PROCESS = {
     "qwen3_moe+meta/dp2/ep2": ("qwen3_moe+meta", "data=2,expert=2"),
     "qwen3_moe+router/dp2/ep2": ("qwen3_moe+router", "data=2,expert=2"),
     "control/qwen3_moe+localrouter/dp2/ep2": ("qwen3_moe+localrouter", "data=2,expert=2"),
+    "mixtral+router/pp2/ep1": ("mixtral+router", "pipeline=2,schedule=gpipe"),
 }
 FOUR_PROCESS = {
     "qwen3_moe/dp4/ep4": ("qwen3_moe", "data=4,expert=4"),
@@ -158,6 +162,8 @@ FOUR_PROCESS = {
     "qwen3_moe/dp2xcp2/ep2": ("qwen3_moe", "data=2,context=2,expert=2"),
     "mixtral+router/dp4/ep2": ("mixtral+router", "data=4,expert=2"),
     "mixtral+router/dp2xtp2/ep2": ("mixtral+router", "data=2,tensor=2,expert=2"),
+    "mixtral+router/dp2xpp2/ep2": ("mixtral+router", "data=2,pipeline=2,expert=2,schedule=gpipe"),
+    "qwen3_moe+router/dp2xpp2/ep2": ("qwen3_moe+router", "data=2,pipeline=2,expert=2,schedule=gpipe"),
     "control/qwen3_moe/dp4/ep2": ("qwen3_moe", "control:data=4,expert=2"),
 }
 
@@ -191,7 +197,7 @@ def _check_parity(references: dict, per_rank: list[dict], case: str) -> float:
         if result["shards"]:  # a pipeline rank may hold no layer 0
             local, full = result["shards"]["experts.gate_up_proj"]
             assert (local[0], full[0], local[1:]) == (EXPERTS // ep, EXPERTS, full[1:]), result["shards"]
-    assert any(results[case]["shards"] for results in per_rank)
+    assert ep == 1 or any(results[case]["shards"] for results in per_rank)
     print(f"{case}: max |loss - one process| {worst:.2e}")
     return worst
 

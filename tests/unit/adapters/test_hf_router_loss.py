@@ -111,12 +111,18 @@ def test_data_and_expert_splits_of_a_checked_family_are_allowed(sizes):
 
 @pytest.mark.parametrize("sizes", [dict(pipeline_parallel=2, data_parallel=1),
                                    dict(data_parallel=1, context_parallel=2)], ids=["pp2", "cp2"])
-def test_pipeline_and_context_splits_stay_refused(sizes):
+def test_context_splits_and_pipelines_other_than_gpipe_stay_refused(sizes):
+    """Under pipeline 2 the default schedule (1f1b) runs a backward before the step's routing is known."""
     layout = ParallelLayout.resolve(2, **sizes)
     with pytest.raises(ValueError, match=r"output_router_logits=True.*Set output_router_logits=False") as error:
         check_module(MoELM("mixtral"), layout, ParallelOptions(context_parallel_size=layout.context_parallel))
-    split = "pipeline_parallel_size=2" if "pipeline_parallel" in sizes else "context_parallel_size=2"
-    assert split in str(error.value)
+    split = "pipeline_parallel_size=2 (schedule='1f1b')" if "pipeline_parallel" in sizes else "context_parallel_size=2"
+    assert split in str(error.value) and "schedule='gpipe'" in str(error.value)  # the remedy names it
+
+
+def test_a_gpipe_pipeline_split_is_accepted():
+    splits = ["data_parallel_size=2", "pipeline_parallel_size=2 (schedule='gpipe')"]
+    check_router_loss_split(MoELM("mixtral").model, splits)
 
 
 def test_a_family_the_suite_does_not_make_global_stays_refused_under_data_parallelism():
