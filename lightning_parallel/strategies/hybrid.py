@@ -43,6 +43,7 @@ from lightning_parallel.parallel.pipeline.stages import PipelineSplit
 from lightning_parallel.parallel.precision import check_precision
 from lightning_parallel.strategies import executors
 from lightning_parallel.strategies.clipping import GlobalNormClipping
+from lightning_parallel.strategies.expert_load import report_first_step_load
 from lightning_parallel.strategies.layer_timing import agreed_layer_times
 from lightning_parallel.strategies.meshes import RunMeshes
 from lightning_parallel.strategies.resolved_adapter import resolved_adapter
@@ -310,6 +311,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         def closure_then_reduce() -> Any:
             result = closure()
             reduce_expert_gradients(self.lightning_module, experts.expert_data_group, self.layout.data_context)
+            report_first_step_load(self.lightning_module, experts.expert_data_group)  # once, after the first step
             return result
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)

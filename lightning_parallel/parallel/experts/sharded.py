@@ -118,8 +118,21 @@ class ExpertParallel(nn.Module):
     def _mm(self, x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
         return grouped_mm(x, weight, counts, self.kernel)
 
+    def record_load(self, local_counts: Tensor) -> None:
+        """Add a training forward's rows per local expert to ``first_step_load`` until the load is reported (the
+        start-up report of the first step, ``strategies/expert_load.py``).
+
+        Args:
+            local_counts: ``[E/ep]`` rows that reached each of this rank's experts.
+        """
+        if self.training and not getattr(self, "load_reported", False):
+            previous = getattr(self, "first_step_load", None)
+            counts = local_counts.detach().float()
+            self.first_step_load = counts if previous is None else previous + counts
+
     def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
         local, route = dispatch_sorted(rows, counts, self.group)
+        self.record_load(route.local_counts)
         out = self.expert_mlp(local, route.local_counts, _local(self.w_up), _local(self.w_down), self._mm)
         return combine_sorted(out, route, self.group)
 
