@@ -225,7 +225,10 @@ class MoEFeedForward(nn.Module):
         copies = kept_copies(ids.flatten(), counts, kept)
         token_of = copies // self.top_k
         rows = self.experts(flat[token_of], kept)
-        out = torch.zeros_like(flat).index_add(0, token_of, rows * weights.flatten()[copies, None].to(rows.dtype))
+        # Under autocast the experts' matmuls give bf16 rows while the (normed) input stays fp32: combine in the
+        # input's dtype, as the residual stream carries it.
+        weighted = (rows * weights.flatten()[copies, None].to(rows.dtype)).to(flat.dtype)
+        out = torch.zeros_like(flat).index_add(0, token_of, weighted)
         self._record(counts, probs, tokens, (counts - kept).sum())
         out = self.drop(out).reshape(x.shape)
         if self.training and self.pipelined is not None:  # under a pipeline schedule (examples/nlp/moe_pipeline.py)

@@ -237,3 +237,15 @@ def test_gpt_moe_balancing_loss_is_refused_under_a_schedule_that_runs_a_backward
     model.check_batch_split(["data_parallel_size=2", "context_parallel_size=2"])
     GPT(**GPT_SIZE, moe={"num_experts": 4, "router": "sigmoid"}).check_batch_split(
         ["pipeline_parallel_size=2 (schedule='1f1b')"])  # the bias update needs no schedule
+
+
+def test_moe_block_trains_under_bf16_autocast_in_the_input_dtype():
+    """bf16-mixed: the experts' matmuls give bf16 rows while the normed input stays fp32 (index_add refused the mix)."""
+    block = MoEFeedForward(16, 32, 4)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = block(torch.nn.functional.layer_norm(x, (16,)))
+    y.sum().backward()
+    assert y.dtype == torch.float32 and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    reference = block(torch.nn.functional.layer_norm(x.detach(), (16,)))
+    assert (y.detach() - reference.detach()).abs().max() < 5e-2
