@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from lightning_parallel import _compat
 from lightning_parallel.adapters.hf import is_hf_model
+from lightning_parallel.parallel.data import own_class
 
 
 def _own(module: nn.Module) -> list[tuple[str, Tensor]]:
@@ -46,10 +47,7 @@ def _owner(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
 def _stand_in(ancestor: nn.Module, attr: str, child: nn.Module) -> Optional[nn.Module]:
     """An instance of ``ancestor``'s class with its plain attributes (config, sizes) and ``child`` as its only child;
     no tensor is copied (the ancestor may be sharded by FSDP2, or not materialised). None if it cannot be made."""
-    from torch.distributed.fsdp import FSDPModule
-
-    # FSDP2 gives a sharded module a class of its own (FSDP<Name>): the stand-in is of the model's class.
-    cls = next(c for c in type(ancestor).__mro__ if not issubclass(c, FSDPModule))
+    cls = own_class(ancestor)  # not FSDP2's FSDP<Name>: the stand-in is of the model's class
     try:
         holder = cls.__new__(cls)
         nn.Module.__init__(holder)

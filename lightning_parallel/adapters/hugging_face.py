@@ -32,6 +32,7 @@ from lightning_parallel.adapters.hf_router_loss import check_router_loss_split, 
 from lightning_parallel.adapters.hf_router_pipeline import PipelinedRouterLoss
 from lightning_parallel.adapters.hf_tensor import hf_head_dimensions, hf_tensor_plan, hf_untied_embeddings
 from lightning_parallel.parallel.adapter import LossWeighting, ModelAdapter
+from lightning_parallel.parallel.data import own_class
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan, defines_loss_terms, own_loss
 from lightning_parallel.parallel.pipeline.runner import default_item_count
 
@@ -109,7 +110,7 @@ def hugging_face_entry(prefix: str, model: nn.Module) -> dict[str, Any]:
 
     Plain values only (the config's ``to_dict()``), so ``meta.pt`` stays readable with ``weights_only=True``.
     """
-    return {"prefix": prefix, "class": type(model).__name__, "config": model.config.to_dict()}
+    return {"prefix": prefix, "class": own_class(model).__name__, "config": model.config.to_dict()}
 
 
 class HuggingFaceAdapter(ModelAdapter):

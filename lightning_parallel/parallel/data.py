@@ -279,3 +279,15 @@ def deferred_gradient_sync(module: nn.Module, zero_stage: int, hsdp: bool) -> It
     finally:
         for unit in units:
             unit.set_requires_gradient_sync(True, recurse=False)
+
+
+def own_class(module: nn.Module) -> type:
+    """``module``'s class as the user built it: FSDP2 gives a module it shards a class of its own (``FSDP<Name>``,
+    a subclass of ``FSDPModule`` and the original), which names nothing a reader of a checkpoint can rebuild.
+
+    Args:
+        module: any module, sharded by ``fully_shard`` or not.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
