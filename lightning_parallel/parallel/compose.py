@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import torch
 from torch import Tensor, nn
 
 from lightning_parallel.layout import TENSOR_PARALLEL, ParallelLayout
@@ -311,7 +312,7 @@ def parallelize(
     checkpoint_activations(module, options.activation_checkpointing, split, adapter=adapter)
     _wrap_data_axis(module, layout, options, (mesh, data_mesh), split, stages, precision, adapter)
     if init_plan is not None:  # (7) only now is anything allocated: this rank's share
-        _materialize_share(module, materialization, init_plan, adapter, plan)
+        _materialize_share(module, materialization, init_plan, adapter, plan, options.offload)
     pipeline_tied.mark_copies(module, tied)  # after FSDP2/TP/to_empty replaced the parameter objects
     loss_fn, count = (pipe.loss_fn, pipe.count_items) if pipe is not None else (None, None)
     return Parallelized(layout, options, plan, split, tuple(stages), tuple(stage_ids), last, loss_fn, count,
@@ -344,9 +345,18 @@ def _cut(module: nn.Module, layout: ParallelLayout, options: ParallelOptions, ra
 
 
 def _materialize_share(module: nn.Module, materialization: Materialization, init_plan: InitPlan,
-                       adapter: ModelAdapter, plan: dict) -> None:
-    """Step 7: allocate and initialise this rank's share; TP's gradient hooks went with the old parameter objects."""
-    materialize(module, materialization.device, init_plan, adapter.init_module)
+                       adapter: ModelAdapter, plan: dict, offload: str = "none") -> None:
+    """Step 7: allocate and initialise this rank's share; TP's gradient hooks went with the old parameter objects.
+
+    Under FSDP2's CPU offload the parameters are allocated on the host, where the policy keeps them (FSDP2 refuses
+    device parameters at the first forward), and the buffers, which FSDP2 does not manage, on the device they
+    compute on (torchtitan's ``init_device="cpu"``, ``buffer_device``)."""
+    host = offload != "none" and materialization.device.type != "cpu"
+    materialize(module, torch.device("cpu") if host else materialization.device, init_plan, adapter.init_module)
+    if host:
+        for owner in module.modules():
+            for name, buffer in list(owner.named_buffers(recurse=False)):
+                setattr(owner, name, buffer.to(materialization.device))
     resettle_gradients(module, plan)
 
 
