@@ -207,7 +207,8 @@ class HFExpertParallel(ExpertParallel):
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         rows, counts, route = dispatch(hidden_states, top_k_index, self.num_experts, self.group)
         self.record_load(counts)
-        out = self.expert_mlp(rows.to(self.down_proj.dtype), counts)
+        rows = rows.to(self.down_proj.dtype)
+        out = self.expert_mlp(rows, counts).to(rows.dtype)  # one dtype on every rank for the all-to-all back
         return combine(out, route, top_k_weights, self.group).to(hidden_states.dtype)
 
 

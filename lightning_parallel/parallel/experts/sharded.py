@@ -134,7 +134,9 @@ class ExpertParallel(nn.Module):
         local, route = dispatch_sorted(rows, counts, self.group)
         self.record_load(route.local_counts)
         out = self.expert_mlp(local, route.local_counts, _local(self.w_up), _local(self.w_down), self._mm)
-        return combine_sorted(out, route, self.group)
+        # In the rows' dtype: under autocast a rank's matmuls give bf16 while a rank whose experts got no rows
+        # gives the input's dtype, and the all-to-all back needs one element size on every rank.
+        return combine_sorted(out.to(local.dtype), route, self.group)
 
 
 def _local(tensor: Tensor) -> Tensor:
