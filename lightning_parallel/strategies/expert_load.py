@@ -46,16 +46,20 @@ def _device(layer: nn.Module) -> torch.device:
     return next(layer.parameters()).device
 
 
-def report_first_step_load(module: nn.Module, expert_data_group: Any) -> None:
-    """After the first optimizer step (once; every rank calls it): the experts' load per MoE layer, printed by
-    global rank 0 as the table ``lightning_parallel: expert load, first step``.
+def report_first_step_load(module: nn.Module, expert_data_group: Any, step: int) -> None:
+    """After the run's first optimizer step: the experts' load per MoE layer, printed by global rank 0 as the table
+    ``lightning_parallel: expert load, first step``. Every rank calls it at every step (a world collective at step
+    0 only: a pipeline rank whose stage holds no MoE layer takes part too).
 
     Args:
         module: the LightningModule (its sharded expert layers).
         expert_data_group: the ranks holding the same experts (their loads add up), or None.
+        step: the optimizer step that just ran (``trainer.global_step`` before it is counted).
     """
     layers = [(name, m) for name, m in module.named_modules() if isinstance(m, ExpertParallel)]
-    if not layers or getattr(layers[0][1], "load_reported", False):
+    if step != 0:
+        for _, layer in layers:  # a resumed run: nothing to report, nothing more to count
+            layer.load_reported, layer.first_step_load = True, None
         return
     rows = []
     for name, layer in layers:

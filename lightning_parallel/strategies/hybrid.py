@@ -309,9 +309,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_reduce() -> Any:
-            result = closure()
-            reduce_expert_gradients(self.lightning_module, experts.expert_data_group, self.layout.data_context)
-            report_first_step_load(self.lightning_module, experts.expert_data_group)  # once, after the first step
+            result, module = closure(), self.lightning_module
+            reduce_expert_gradients(module, experts.expert_data_group, self.layout.data_context)
+            report_first_step_load(module, experts.expert_data_group, module.trainer.global_step)
             return result
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
