@@ -48,13 +48,15 @@ def _strategy(name: str) -> Any:
         "pp2xtp2": lambda: Hybrid(pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=MICROBATCHES,
                                   timeout=60),
         "dp2_zero2": lambda: Hybrid(data_parallel_size=2, zero_stage=2, timeout=60),
+        "dp2_ep2": lambda: Hybrid(data_parallel_size=2, expert_parallel_size=2, timeout=60),
         "tp2_loss_parallel": lambda: Hybrid(tensor_parallel_size=2, loss_parallel=True, timeout=60),
     }[name]()
 
 
-#: layout name -> (processes, which plan the family needs: "tp", "pp", "both" or None)
+#: layout name -> (processes, which plan the family needs: "tp", "pp", "both", "ep" or None)
 LAYOUTS: dict[str, tuple[int, Optional[str]]] = {
     "single": (1, None), "tp2": (2, "tp"), "pp2": (2, "pp"), "pp2xtp2": (4, "both"), "dp2_zero2": (2, None),
+    "dp2_ep2": (2, "ep"),
     "tp2_loss_parallel": (2, "tp"),  # not a matrix column: the loss-parallel check of tests/distributed
 }
 

@@ -23,7 +23,7 @@ def needs(family: tiny.Family, layout: str) -> bool:
     """Whether ``family`` has the plan ``layout`` splits it by."""
     plan = cells.LAYOUTS[layout][1]
     return (plan is None or (plan == "tp" and family.tp_plan) or (plan == "pp" and family.pp_plan)
-            or (plan == "both" and family.tp_plan and family.pp_plan))
+            or (plan == "both" and family.tp_plan and family.pp_plan) or (plan == "ep" and family.ep_plan))
 
 
 def _say(message: str) -> None:

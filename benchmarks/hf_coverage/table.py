@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 TOLERANCE = 1e-5
-COLUMNS = {"tp2": "tensor 2", "pp2": "pipeline 2", "pp2xtp2": "pipeline 2 x tensor 2", "dp2_zero2": "data 2 ZeRO-2"}
+COLUMNS = {"tp2": "tensor 2", "pp2": "pipeline 2", "pp2xtp2": "pipeline 2 x tensor 2", "dp2_zero2": "data 2 ZeRO-2",
+           "dp2_ep2": "data 2 x expert 2"}
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,8 @@ def markdown(meta: dict[str, Any], families: list[Any], rows: dict[str, dict[str
         "`base_model_pp_plan`, built from its config class at a tiny size (4 layers, width 32, vocabulary 128;",
         "scalars around the block chain set away from 1), held by the recipe's `HFCausalLM` with no glue, trained",
         f"{meta['steps']} SGD steps (lr {meta['lr']:g}) on right-padded documents with masked prompts (global batch",
-        f"{meta['batch']}, {meta['seq']} tokens) under each layout against one process. **PARITY**: every rank's loss",
+        f"{meta['batch']}, {meta['seq']} tokens) under each layout against one process (data 2 x expert 2: the",
+        "families whose config carries `base_model_ep_plan`, 4 experts, top 2). **PARITY**: every rank's loss",
         f"at every step and every final parameter within {TOLERANCE:g} of one process (the figure is the largest",
         "difference). A family that amplifies fp32 rounding to near that in one process (the same process on its",
         "batches split in two halves ends at least a tenth of the tolerance from itself, where well-conditioned",

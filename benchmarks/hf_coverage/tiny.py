@@ -91,6 +91,7 @@ class Family:
         tp_plan: whether its config carries ``base_model_tp_plan``.
         pp_plan: whether its config carries ``base_model_pp_plan``.
         reason: why it is not in the matrix (``wrapper``, ``unbuildable``).
+        ep_plan: whether its config carries ``base_model_ep_plan`` (experts the expert axis could shard).
     """
 
     model_type: str
@@ -99,6 +100,7 @@ class Family:
     tp_plan: bool = False
     pp_plan: bool = False
     reason: str = ""
+    ep_plan: bool = False
 
 
 def _transformers() -> Any:
@@ -213,7 +215,8 @@ def classify(model_type: str, causal_lm: str) -> Family:
         smoke(tiny_config(model_type))
     except Exception as error:  # noqa: BLE001 -- the reason goes in the table
         return Family(model_type, causal_lm, "unbuildable", tp_plan, pp_plan, _reason(error))
-    return Family(model_type, causal_lm, "matrix", tp_plan, pp_plan)
+    return Family(model_type, causal_lm, "matrix", tp_plan, pp_plan,
+                  ep_plan=bool(getattr(cls, "base_model_ep_plan", None)))
 
 
 def families(selected: Optional[list[str]] = None) -> list[Family]:

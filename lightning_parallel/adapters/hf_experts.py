@@ -36,8 +36,24 @@ HF_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # experts along dim 0, in tra
 
 #: Families whose experts module was read and checked against the suite's computation (its transformers forward
 #: is ``down(act(gate) * up)`` on concatenated ``gate_up_proj``, no bias, no post-expert norm, called with the
-#: router's top-k indices and weights). A family joins by adding its ``model_type`` after a parity test.
+#: router's top-k indices and weights), and whose router balancing loss is transformers' ``load_balancing_loss_func``
+#: from the ``gate``'s logits (:mod:`.hf_router_loss`, :mod:`.hf_router_pipeline`).
 CHECKED_FAMILIES = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE"}
+
+#: Families whose experts the suite shards, each measured equal to one process under data 2 x expert 2 by the
+#: coverage matrix (``python -m benchmarks.hf_coverage``, transformers 5.25, 2026-12-04: 8 padded SGD steps,
+#: losses and every parameter within 1e-5; docs/hf-coverage.md). The structural checks of :func:`_refuse_layout`
+#: alone are not enough: families whose experts call their activation differently (hy_v4, minimax_m3_vl_text:
+#: no ``act_fn``; inkling2: a softcapped SwiGLU of two arguments) failed after start when let through. A family
+#: joins after its matrix cell is PARITY.
+EXPERT_FAMILIES = frozenset({
+    *CHECKED_FAMILIES, "afmoe", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
+    "deepseek_v32", "deepseek_v4", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe",
+    "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+    "hunyuan_v1_moe", "hy_v3", "inkling_text", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe",
+    "mellum", "mimo_v2_flash", "minicpm5_moe", "minimax", "minimax_m2", "param2moe", "phimoe", "qwen3_5_moe_text",
+    "qwen3_next", "sarvam_mla", "sarvam_moe", "solar_open",
+})
 
 #: ``(attribute of transformers' experts module, the value the suite computes with, what other values mean)``.
 _LAYOUT = (
@@ -99,12 +115,13 @@ def _refuse_layout(model: nn.Module, name: str, experts: nn.Module) -> None:
                 f"{getattr(experts, attribute)}), which the suite's expert-parallel MLP does not compute: "
                 "set expert_parallel_size=1."
             )
-    if _family(model) not in CHECKED_FAMILIES:
+    if _family(model) not in EXPERT_FAMILIES:
         raise ValueError(
-            f"expert parallelism on {owner} ({_family(model)}): the suite shards the experts of the families it has "
-            f"checked against transformers' computation ({', '.join(CHECKED_FAMILIES.values())}); "
-            f"{_family(model)}'s experts module {type(experts).__name__} is not among them (its gate function may "
-            "differ). Use one of those families, or set expert_parallel_size=1."
+            f"expert parallelism on {owner} ({_family(model)}): the suite shards the experts of the "
+            f"{len(EXPERT_FAMILIES)} families measured equal to one process (EXPERT_FAMILIES in "
+            f"lightning_parallel/adapters/hf_experts.py; docs/hf-coverage.md); {_family(model)}'s experts module "
+            f"{type(experts).__name__} is not among them (its activation may be called differently). Use one of "
+            "those families, or set expert_parallel_size=1."
         )
 
 
@@ -123,7 +140,7 @@ def check_hf_experts(model: nn.Module, size: int) -> list[str]:
             no module, an experts module the suite does not compute (its family or layout), or an expert count
             ``size`` does not divide (with the sizes that do).
     """
-    owner, checked = type(model).__name__, ", ".join(CHECKED_FAMILIES.values())
+    owner, checked = type(model).__name__, f"{len(EXPERT_FAMILIES)} families (EXPERT_FAMILIES, docs/hf-coverage.md)"
     if DISPATCH_STYLE not in hf_expert_plan(model).values():
         raise ValueError(
             f"expert_parallel_size={size}, but {owner} ({_family(model)}) has no expert-parallel plan "

@@ -88,7 +88,7 @@ DP2_EP2 = dict(data_parallel=2, expert_parallel=2)
 def test_a_model_without_an_ep_plan_is_refused_naming_the_families_that_have_one():
     message = _refusal(transformers.LlamaConfig(**SMALL), ParallelLayout.resolve(2, **DP2_EP2))
     assert "LlamaForCausalLM (llama) has no expert-parallel plan" in message
-    assert "Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE" in message and "expert_parallel_size=1" in message
+    assert "families (EXPERT_FAMILIES, docs/hf-coverage.md)" in message and "expert_parallel_size=1" in message
 
 
 def test_an_expert_count_the_size_does_not_divide_is_refused_with_the_sizes_that_do():
@@ -97,13 +97,17 @@ def test_an_expert_count_the_size_does_not_divide_is_refused_with_the_sizes_that
     assert "holds 6 experts, which expert_parallel_size=4 does not divide: use a size among [1, 2, 3, 6]" in message
 
 
-def test_experts_the_suite_does_not_compute_are_refused_by_layout_then_by_family():
+def test_experts_the_suite_does_not_compute_are_refused_by_layout_then_by_family(monkeypatch):
+    from lightning_parallel.adapters import hf_experts
+
     config = transformers.GptOssConfig(**{**SMALL, "num_attention_heads": 4, "head_dim": 8}, num_local_experts=4,
                                        num_experts_per_tok=2, layer_types=["full_attention"] * 2)
     message = _refusal(config, ParallelLayout.resolve(2, **DP2_EP2))
     assert "GptOssExperts) has an interleaved gate/up layout (is_concatenated=False)" in message
     config = transformers.AutoConfig.for_model("phimoe", **SMALL, num_local_experts=4, num_experts_per_tok=2)
-    message = _refusal(config, ParallelLayout.resolve(2, **DP2_EP2))  # the same layout, an unchecked family
+    check_module(HFModule(config, meta=True), ParallelLayout.resolve(2, **DP2_EP2), ParallelOptions())  # measured
+    monkeypatch.setattr(hf_experts, "EXPERT_FAMILIES", hf_experts.EXPERT_FAMILIES - {"phimoe"})
+    message = _refusal(config, ParallelLayout.resolve(2, **DP2_EP2))  # the same layout, an unmeasured family
     assert "(phimoe)" in message and "PhimoeExperts is not among them" in message
 
 
