@@ -20,6 +20,7 @@ pytest.importorskip("torchrec")
 pytest.importorskip("fbgemm_gpu")
 
 from lightning_parallel.testing import run_processes  # noqa: E402
+from tests.distributed.strategies.test_torchrec_parity import _strategy  # noqa: E402  (its negative control too)
 
 TOL = 0.002
 # Held-out AUC: about 0.55 after one step, 0.715 after these 48; the click model's own logits score 0.849 (Bayes).
@@ -37,28 +38,6 @@ def _held_out_data(world_size: int, steps: int, val_samples: int):
 
     return ZipfClickDataModule(table_sizes=TABLE_SIZES, train_samples=steps * GLOBAL_BATCH, val_samples=val_samples,
                                batch_size=GLOBAL_BATCH // world_size, shuffle=False)
-
-
-def _strategy(case: dict):
-    """The strategy of a case; ``control``: table gradients summed over the ranks instead of averaged (a fault
-    that makes each table learn ``world_size`` times too fast with SGD tables)."""
-    from lightning_parallel.strategies.torchrec import TorchRecStrategy
-
-    class UndividedTableGradients(TorchRecStrategy):
-        def setup(self, trainer):
-            from torchrec.distributed.comm_ops import set_gradient_division
-
-            set_gradient_division(False)
-            super().setup(trainer)
-
-        def teardown(self):
-            from torchrec.distributed.comm_ops import set_gradient_division
-
-            set_gradient_division(True)
-            super().teardown()
-
-    kind = UndividedTableGradients if case.get("control") else TorchRecStrategy
-    return kind(sharding=case["sharding"], column_shard_dim=case.get("column_shard_dim"))
 
 
 def fit_and_score(rank: int, world_size: int, cases: dict[str, dict], steps: int = STEPS,
