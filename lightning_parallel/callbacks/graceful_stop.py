@@ -1,9 +1,14 @@
 """Stop every rank at the same optimizer step after SIGINT/SIGTERM, with a checkpoint to resume from.
 
 See :mod:`lightning_parallel.runtime.signals` for the whole stop: the signal marks this process, and
-after each optimizer step the ranks all-reduce their marks (one element, MAX), so they all stop
+the ranks all-reduce their marks (one element, MAX) at agreed optimizer steps, so they all stop
 after the same step, write ``last-stop.ckpt`` together (a collective under sharded strategies) and
 leave ``fit`` normally, without the validation Lightning runs when training is stopped early.
+
+The agreement is a collective a raw training loop does not have. It runs after each of the first
+:data:`PROBE_STEPS` steps, whose slowest step time the ranks agree on with it; from then on every
+``interval`` steps, ``interval`` being the steps that take ``agree_every_s`` seconds (at least 1): a
+stop is seen within about that long, and a fast step pays no collective of its own.
 
 Note:
     The name is not ``last.ckpt``: a ``ModelCheckpoint(save_last=True)`` that finds a ``last.ckpt``
@@ -13,6 +18,7 @@ Note:
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,19 +28,27 @@ from typing_extensions import override
 
 from lightning_parallel.runtime import signals
 
+PROBE_STEPS = 3  # steps after which the ranks agree on each, timing them, before the interval is set
+
 
 class GracefulStop(pl.Callback):
-    """Ends training after the optimizer step at which any rank was asked to stop, and saves it.
+    """Ends training at the first agreed optimizer step after any rank was asked to stop, and saves it.
 
     Args:
         checkpoint_dir: where ``last-stop.ckpt`` is written (the run's ``checkpoints`` folder).
+        agree_every_s: about how often (seconds of training) the ranks agree on a stop; the module docstring.
     """
 
-    def __init__(self, checkpoint_dir: str) -> None:
+    def __init__(self, checkpoint_dir: str, agree_every_s: float = 1.0) -> None:
         self.checkpoint_dir = Path(checkpoint_dir)
+        self.agree_every_s = agree_every_s
         self.saved: Optional[Path] = None
         self.stopped_at: Optional[int] = None
+        self.interval: Optional[int] = None  # steps between agreements, once the probe steps have run
         self._last_step = -1
+        self._steps = 0
+        self._slowest = 0.0  # the slowest step seen while probing (the first step, which warms up, not counted)
+        self._step_ended: Optional[float] = None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -43,10 +57,20 @@ class GracefulStop(pl.Callback):
         signals.take_handlers()
 
     def _any_rank_asked(self, trainer: pl.Trainer) -> bool:
-        asked = torch.tensor([1.0 if signals.stop_requested() else 0.0], device=trainer.strategy.root_device)
+        """At an agreed step: whether any rank was asked to stop (during the probe steps also the slowest step)."""
+        probing = self.interval is None
+        values = [1.0 if signals.stop_requested() else 0.0, self._slowest if probing else 0.0]
+        asked = torch.tensor(values, device=trainer.strategy.root_device)
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(asked, op=torch.distributed.ReduceOp.MAX)
-        return bool(asked.item())
+        if probing and self._steps >= PROBE_STEPS:
+            self.interval = max(1, int(self.agree_every_s / max(float(asked[1]), 1e-6)))
+        return bool(asked[0].item())
+
+    def _agreement_due(self) -> bool:
+        """Whether this step is one the ranks agree at (the same answer on every rank: it counts steps only)."""
+        self._steps += 1
+        return self.interval is None or self._steps % self.interval == 0
 
     @override
     def on_train_batch_end(
@@ -58,7 +82,11 @@ class GracefulStop(pl.Callback):
         shutdown = signals.current()
         if shutdown is not None:
             shutdown.step_finished = True
-        if not self._any_rank_asked(trainer):
+        now = time.monotonic()
+        if self._step_ended is not None and self.interval is None:
+            self._slowest = max(self._slowest, now - self._step_ended)
+        self._step_ended = now
+        if not self._agreement_due() or not self._any_rank_asked(trainer):
             return
         path = self.checkpoint_dir / "last-stop.ckpt"
         trainer.save_checkpoint(str(path))

@@ -3,14 +3,21 @@
 Note:
     A non-finite loss on one rank poisons the averaged gradients of all of them, and a
     rank that raises alone leaves the others waiting in the next collective. The check
-    runs in ``on_before_optimizer_step`` -- after the last backward of the step (and the
-    strategy's gradient reduction), before clipping and the update -- and the ranks agree
-    on the verdict with one all-reduce, so all of them stop, or all skip, together.
+    runs after the last backward of the step (and the strategy's gradient reduction),
+    before the update, and every rank reaches the same verdict without a collective of its own
+    wherever the step already agrees on something (a raw training loop does no more):
+
+    * clipping by norm under the suite's strategies: the clipping's global gradient norm (one
+      value on every rank) is non-finite exactly when some gradient is, so the verdict is taken
+      from it, after every ``on_before_optimizer_step`` hook, before the gradients are clipped;
+    * one process, or Lightning's DDP: every rank holds the whole averaged gradient, in which a
+      non-finite element of any rank's contribution is non-finite everywhere: a local check;
+    * otherwise (sharded gradients, no clipping): one all-reduce of a flag.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -53,9 +60,19 @@ class NonFiniteGuard(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        bad = torch.tensor(0.0 if _local_finite(optimizer) else 1.0, device=pl_module.device)
-        bad = trainer.strategy.reduce(bad, reduce_op="max")
-        if float(bad) == 0.0:
+        plugin = trainer.strategy.precision_plugin
+        if _clips_by_norm(trainer, pl_module) and callable(getattr(plugin, "check_norm_once", None)):
+            plugin.check_norm_once(lambda norm: self._verdict(trainer, pl_module, optimizer,
+                                                              not bool(torch.isfinite(norm))))
+            return
+        bad = not _local_finite(optimizer)
+        if not _replicated_gradients(trainer.strategy):
+            flag = torch.tensor(1.0 if bad else 0.0, device=pl_module.device)
+            bad = float(trainer.strategy.reduce(flag, reduce_op="max")) > 0.0
+        self._verdict(trainer, pl_module, optimizer, bad)
+
+    def _verdict(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, bad: bool) -> None:
+        if not bad:
             return
         step = trainer.global_step
         if self.action == "stop":
@@ -69,3 +86,21 @@ class NonFiniteGuard(pl.Callback):
                 param.grad = None  # torch optimizers skip parameters without gradients
         self.skipped_steps.append(step)
         pl_module.print(f"[lightning_parallel] skipped optimizer step {step}: non-finite gradients on some rank")
+
+
+def _clips_by_norm(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether Lightning will clip this step's gradients by norm through the precision plugin (a module that
+    overrides ``configure_gradient_clipping`` may not)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    clip = trainer.gradient_clip_val
+    return (bool(clip) and clip > 0 and trainer.gradient_clip_algorithm in (None, "norm")
+            and pl_module.automatic_optimization and not is_overridden("configure_gradient_clipping", pl_module))
+
+
+def _replicated_gradients(strategy: Any) -> bool:
+    """Whether every rank holds the whole averaged gradient after backward: one process, or Lightning's DDP (its
+    exact class: subclasses such as the suite's TorchRec strategy shard parameters)."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    return isinstance(strategy, SingleDeviceStrategy) or type(strategy) is DDPStrategy

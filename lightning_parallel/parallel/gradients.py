@@ -86,6 +86,7 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     pipeline_group: Optional[dist.ProcessGroup] = None,
+    total: Optional[Tensor] = None,
 ) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` with the global norm across tensor and pipeline ranks.
 
@@ -95,6 +96,7 @@ def clip_grad_norm_(
         norm_type: p of the p-norm.
         error_if_nonfinite: raise if the total norm is nan or inf.
         pipeline_group: see :func:`total_grad_norm`.
+        total: the norm of these gradients when the step already computed it (no collective then).
 
     Returns:
         The total norm before clipping (same on every rank).
@@ -102,7 +104,7 @@ def clip_grad_norm_(
     from torch.distributed.tensor import DTensor
 
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-    total = total_grad_norm(params, norm_type, pipeline_group)
+    total = total_grad_norm(params, norm_type, pipeline_group) if total is None else total
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"The total gradient norm of order {norm_type} is non-finite ({total.item()}); cannot clip.")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -12,16 +12,17 @@ Note:
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel.parallel import gradients
 
-_OWN = frozenset({"clip_grad_by_norm", "clip_grad_by_value", "clip_gradients"})
+_OWN = frozenset({"clip_grad_by_norm", "clip_grad_by_value", "clip_gradients", "check_norm_once"})
 
 
 def _delegate(name: str) -> Any:
@@ -45,6 +46,19 @@ class GlobalNormClipping(Precision):
     def __init__(self, inner: Precision, pipeline_group: Optional[dist.ProcessGroup]) -> None:
         self.inner = inner
         self.pipeline_group = pipeline_group
+        self._norm_checks: list[Callable[[Tensor], None]] = []
+
+    def check_norm_once(self, check: Callable[[Tensor], None]) -> None:
+        """Hand the next clipping's global gradient norm to ``check`` before the gradients are clipped.
+
+        :class:`~lightning_parallel.callbacks.NonFiniteGuard` uses it: a non-finite gradient on any rank makes the
+        global norm non-finite on every rank, so the guard needs no collective of its own, and it sees the
+        gradients as the clipping does (after every ``on_before_optimizer_step`` hook).
+
+        Args:
+            check: called once with the norm; it may raise, or drop the gradients (``param.grad = None``).
+        """
+        self._norm_checks.append(check)
 
     @property
     def precision(self) -> Any:  # type: ignore[override]
@@ -59,7 +73,11 @@ class GlobalNormClipping(Precision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        gradients.clip_grad_norm_(params, clip_val, 2.0, pipeline_group=self.pipeline_group)
+        total = gradients.total_grad_norm(params, 2.0, pipeline_group=self.pipeline_group)
+        checks, self._norm_checks = self._norm_checks, []
+        for check in checks:
+            check(total)
+        gradients.clip_grad_norm_(params, clip_val, 2.0, pipeline_group=self.pipeline_group, total=total)
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
