@@ -13,7 +13,8 @@ included, with the model's own initialiser).
 With ``output_router_logits=True`` (weight 0.1) the model's own balancing loss is made global over the data ranks
 (:mod:`lightning_parallel.adapters.hf_router_loss`): Qwen3-MoE dp2/ep2, Mixtral dp4/ep2 and dp2 x tp2/ep2; and
 through a ``gpipe`` pipeline schedule (:mod:`lightning_parallel.adapters.hf_router_pipeline`): Mixtral pp2, Mixtral
-and Qwen3-MoE dp2 x pp2/ep2 (its gradient left off, measured by hand: 2.2e-2 off under pp2).
+and Qwen3-MoE dp2 x pp2/ep2 (its gradient left off, measured by hand: 2.2e-2 off under pp2); and Qwen3-MoE dp2/ep2
+with activation checkpointing (the dispatch recomputed in the backward).
 
 Negative controls: the experts' gradients left as each rank computed them (no expert-data reduction), and the
 balancing term formed from each rank's own tokens (the config says False, each call asks for router logits, so
@@ -125,8 +126,9 @@ def _strategy(layout: str):
         return "auto", 1
     control = layout.startswith("control:")
     sizes = dict(part.split("=") for part in layout.removeprefix("control:").split(","))
-    schedule = {"schedule": sizes.pop("schedule")} if "schedule" in sizes else {}
-    kwargs = {**{f"{axis}_parallel_size": int(n) for axis, n in sizes.items()}, **schedule}
+    extra = {"schedule": sizes.pop("schedule")} if "schedule" in sizes else {}
+    extra.update({"activation_checkpointing": sizes.pop("ac")} if "ac" in sizes else {})
+    kwargs = {**{f"{axis}_parallel_size": int(n) for axis, n in sizes.items()}, **extra}
     return (ExpertsNotReduced if control else HybridParallelStrategy)(**kwargs), kwargs.get("data_parallel_size", 1)
 
 
@@ -152,6 +154,7 @@ TWO_PROCESS = {
     "qwen3_moe+router/dp2/ep2": ("qwen3_moe+router", "data=2,expert=2"),
     "control/qwen3_moe+localrouter/dp2/ep2": ("qwen3_moe+localrouter", "data=2,expert=2"),
     "mixtral+router/pp2/ep1": ("mixtral+router", "pipeline=2,schedule=gpipe"),
+    "qwen3_moe+router/dp2/ep2/ac": ("qwen3_moe+router", "data=2,expert=2,ac=full"),
 }
 FOUR_PROCESS = {
     "qwen3_moe/dp4/ep4": ("qwen3_moe", "data=4,expert=4"),
@@ -178,7 +181,7 @@ def references() -> dict:
 
 
 def _expert_size(case: str) -> int:
-    return int(case.split("/ep")[-1])
+    return int(case.split("/ep")[-1].split("/")[0])
 
 
 def _check_parity(references: dict, per_rank: list[dict], case: str) -> float:
