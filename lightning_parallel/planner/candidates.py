@@ -59,6 +59,7 @@ class SearchSpace:
     Args:
         zero_stages: ZeRO stages of the hybrid strategy (FSDP2 over the data axis).
         deepspeed_stages: DeepSpeed ZeRO stages (data parallel only); empty to leave DeepSpeed out.
+        ddp: Lightning's own ``DDPStrategy`` (data parallel only, ``strategy=ddp``); False to leave it out.
         schedules: pipeline schedules.
         microbatch_factors: micro-batches per batch as multiples of the stage count.
         batch_sizes: per-rank batch sizes to try under ``fixed_global_batch`` (None: the configured one and every
@@ -72,6 +73,7 @@ class SearchSpace:
 
     zero_stages: tuple[int, ...] = (0, 2, 3)
     deepspeed_stages: tuple[int, ...] = (1, 2, 3)
+    ddp: bool = True
     schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b", "zbv")
     microbatch_factors: tuple[int, ...] = (1, 2, 4)
     batch_sizes: Optional[tuple[int, ...]] = None
@@ -87,7 +89,7 @@ class Candidate:
     """One layout the strategies can run.
 
     Args:
-        engine: ``hybrid`` (the suite's data x pipeline x tensor strategy) or ``deepspeed``.
+        engine: ``hybrid`` (the suite's data x pipeline x tensor strategy), ``deepspeed`` or ``ddp`` (Lightning's).
         dp: data-parallel size. pp: pipeline size. tp: tensor-parallel size.
         zero: ZeRO stage (hybrid: 0, 2, 3; deepspeed: 1, 2, 3).
         schedule: pipeline schedule (``-`` without pipeline).
@@ -133,8 +135,8 @@ class Candidate:
         """Short label: ``dp2xpp2 zero2 1f1b m4``, ``dp2xcp2 ring b4``, ``dp4 ep4 b2``."""
         axes = (("dp", self.dp), ("cp", self.cp), ("pp", self.pp), ("tp", self.tp))
         sizes = "x".join(f"{a}{n}" for a, n in axes if n > 1) or "dp1"
-        parts = [sizes, self.cp_method if self.cp > 1 else "", f"ep{self.ep}" if self.ep > 1 else "",
-                 f"ds{self.zero}" if self.engine == "deepspeed" else (f"zero{self.zero}" if self.zero else "")]
+        engine = {"deepspeed": f"ds{self.zero}", "ddp": "ddp"}.get(self.engine, f"zero{self.zero}" if self.zero else "")
+        parts = [sizes, self.cp_method if self.cp > 1 else "", f"ep{self.ep}" if self.ep > 1 else "", engine]
         if self.pp > 1:
             parts += [self.schedule + (f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""),
                       f"m{self.microbatches}"]
@@ -193,10 +195,10 @@ def _pipeline_settings(space: SearchSpace, pp: int, batch: int) -> tuple[list[tu
 
 def _engines(space: SearchSpace, dp: int, cp: int, pp: int, tp: int, ep: int = 1) -> list[tuple[str, int]]:
     """(engine, ZeRO stage) pairs: the hybrid strategy's stages where data x context has replicas to shard over,
-    DeepSpeed's on data parallelism alone (without experts sharded)."""
+    DeepSpeed's and Lightning's DDP on data parallelism alone (without experts sharded)."""
     engines = [("hybrid", z) for z in space.zero_stages if z == 0 or dp * cp > 1]
     if pp == tp == cp == ep == 1 and dp > 1:
-        engines += [("deepspeed", s) for s in space.deepspeed_stages]
+        engines += [("deepspeed", s) for s in space.deepspeed_stages] + ([("ddp", 0)] if space.ddp else [])
     return engines
 
 
@@ -317,6 +319,7 @@ def _layouts(shape: ModelShape, work: Workload, space: SearchSpace, checkpointin
                 for engine, zero in _engines(space, dp, cp, pp, tp, ep):
                     base = Candidate(engine, dp, pp, tp, zero, schedule, v, m, eff.micro_batch_size,
                                      eff.accumulate_grad_batches, eff.global_batch_size, cp=cp, ep=ep)
+                    modes = checkpointing if engine != "ddp" else ("none",)  # strategy=ddp has no checkpointing
                     candidates += [replace(base, checkpointing=ac, cp_method=method)
-                                   for method in methods for ac in checkpointing]
+                                   for method in methods for ac in modes]
     return candidates, rejected

@@ -163,6 +163,8 @@ def setup_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> float:
     share = state_bytes(shape, c, layers)[0]
     if c.engine == "deepspeed":
         distributed = c.zero == 3 and c.dp > 1
+    elif c.engine == "ddp":
+        distributed = False  # Lightning's DDP builds the whole model on every rank
     else:
         distributed = c.tp > 1 or c.zero in (2, 3) or c.replicas > 1
     largest = max((p.numel for i in layers for p in shape.layers[i].params), default=0)

@@ -85,6 +85,8 @@ def strategy_overrides(c: Candidate) -> list[str]:
     """The ``strategy=...`` overrides that select the candidate's layout."""
     if c.engine == "deepspeed":
         return ["strategy=deepspeed", f"strategy.zero_stage={c.zero}"]
+    if c.engine == "ddp":
+        return ["strategy=ddp"]
     out = ["strategy=hybrid", f"strategy.data_parallel_size={c.dp}", f"strategy.pipeline_parallel_size={c.pp}",
            f"strategy.tensor_parallel_size={c.tp}", f"strategy.zero_stage={c.zero}"]
     if c.cp > 1:

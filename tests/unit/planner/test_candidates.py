@@ -57,6 +57,17 @@ def test_zero_and_deepspeed_only_where_they_apply() -> None:
     assert {c.zero for c in deepspeed} == {1, 2, 3} and all(c.pp == c.tp == 1 for c in deepspeed)
 
 
+def test_lightnings_ddp_is_offered_on_data_parallelism_alone_without_checkpointing() -> None:
+    from lightning_parallel.planner.plan import strategy_overrides
+
+    space = SearchSpace(checkpointing=("none", "full"))
+    candidates, _ = enumerate_layouts(toy_shape(), 4, work(), space)
+    ddp = [c for c in candidates if c.engine == "ddp"]
+    assert ddp and all(c.pp == c.tp == c.cp == c.ep == 1 and c.dp > 1 and c.checkpointing == "none" for c in ddp)
+    assert strategy_overrides(ddp[0]) == ["strategy=ddp"] and "ddp" in ddp[0].name
+    assert not [c for c in enumerate_layouts(toy_shape(), 4, work(), SearchSpace(ddp=False))[0] if c.engine == "ddp"]
+
+
 def test_fixed_global_batch_tries_batch_sizes_and_refuses_what_does_not_divide() -> None:
     candidates, rejected = enumerate_layouts(toy_shape(), 4, work(batch=3, rule="fixed_global_batch", global_batch=8))
     dp4 = {(c.batch_size, c.accumulate) for c in candidates if c.dp == 4 and c.engine == "hybrid" and c.zero == 0}
