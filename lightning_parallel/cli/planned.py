@@ -88,9 +88,11 @@ def cached_plan(cfg: Any, world: int) -> tuple[dict[str, Any], Path, bool]:
 
 
 def strategy_node(c: Candidate) -> dict[str, Any]:
-    """The ``strategy`` config of the candidate (the shipped ``hybrid`` or ``deepspeed`` file, filled in)."""
+    """The ``strategy`` config of the candidate (the shipped ``hybrid``, ``deepspeed`` or ``ddp`` file, filled in)."""
     from omegaconf import OmegaConf
 
+    if c.engine == "ddp":  # Lightning's DDP as shipped: data parallel over every process
+        return OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "strategy" / "ddp.yaml").strategy)
     if c.engine == "deepspeed":
         node = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "strategy" / "deepspeed.yaml").strategy)
         node["zero_stage"] = c.zero

@@ -68,6 +68,20 @@ def test_lightnings_ddp_is_offered_on_data_parallelism_alone_without_checkpointi
     assert not [c for c in enumerate_layouts(toy_shape(), 4, work(), SearchSpace(ddp=False))[0] if c.engine == "ddp"]
 
 
+def test_a_planned_ddp_layout_runs_lightnings_ddp_strategy() -> None:
+    """strategy=planned builds the shipped ddp config for a "ddp" candidate, not the hybrid strategy's zero 0."""
+    from hydra.utils import instantiate
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_parallel.cli import planned
+    from lightning_parallel.planner.candidates import Candidate
+
+    c = Candidate("ddp", 4, 1, 1, 0, "-", 1, 1, 4, 1, 16)
+    node = planned.strategy_node(c)
+    assert type(instantiate(node)) is DDPStrategy
+    planned.check_resolves(c, node, 4)
+
+
 def test_fixed_global_batch_tries_batch_sizes_and_refuses_what_does_not_divide() -> None:
     candidates, rejected = enumerate_layouts(toy_shape(), 4, work(batch=3, rule="fixed_global_batch", global_batch=8))
     dp4 = {(c.batch_size, c.accumulate) for c in candidates if c.dp == 4 and c.engine == "hybrid" and c.zero == 0}
