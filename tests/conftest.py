@@ -4,3 +4,23 @@ import os
 # and multi-process tests oversubscribe it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
+
+import pytest  # noqa: E402
+
+# What Lightning writes into os.environ when a test runs a Trainer in the test process itself (a launched rank's
+# coordinates). Left there, a later test's subprocess (lp-train, a README example) believes it is an already
+# launched rank and waits for peers that never come: seen as `lp-train -m trainer.devices=1,2` hanging when
+# tests/unit ran before tests/integration.
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE",
+                     "LOCAL_WORLD_SIZE", "GROUP_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+@pytest.fixture(autouse=True)
+def _launch_variables_do_not_leak_between_tests():
+    saved = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
