@@ -316,15 +316,37 @@ def balancing_loss(stats: list[RoutingStats], top_k: int, mean: Optional[Mean] =
     """
     if not stats:
         raise ValueError("balancing_loss() got no routing stats: run a training forward (model.train()) first.")
-    counts = torch.stack([s.counts for s in stats]).sum(0)
+    counts, tokens = routing_totals(stats, mean)
     local = torch.stack([s.prob_sums for s in stats]).sum(0)
+    term = balancing_factor(counts.numel(), top_k, tokens) * (counts * local).sum()
+    value = term.detach() if mean is None else mean(term.detach().clone())
+    return term + (value - term.detach())
+
+
+def routing_totals(stats: list[RoutingStats], mean: Optional[Mean] = None) -> tuple[Tensor, Tensor]:
+    """``(copies per expert [E], tokens)`` of a step's stats, meaned over the ranks by ``mean`` (one collective of
+    ``E + 1`` numbers; no gradient).
+
+    Args:
+        stats: one layer's stats of every forward of the step on this rank.
+        mean: see :func:`balancing_loss`; None on one process.
+    """
+    counts = torch.stack([s.counts for s in stats]).sum(0)
     packed = torch.cat([counts, sum(s.tokens for s in stats).reshape(1)])
     if mean is not None:
         packed = mean(packed)
-    counts, tokens = packed[:-1], packed[-1]
-    term = counts.numel() / (top_k * tokens * tokens) * (counts * local).sum()
-    value = term.detach() if mean is None else mean(term.detach().clone())
-    return term + (value - term.detach())
+    return packed[:-1], packed[-1]
+
+
+def balancing_factor(num_experts: int, top_k: int, tokens: Tensor) -> Tensor:
+    """``E / (k T^2)``: the balancing loss is this times ``sum_e C_e S_e`` (the module's Note).
+
+    Args:
+        num_experts: ``E``.
+        top_k: ``k``.
+        tokens: ``T`` (meaned over ranks, as the counts).
+    """
+    return num_experts / (top_k * tokens * tokens)
 
 
 def moe_blocks(model: nn.Module) -> list[MoEFeedForward]:

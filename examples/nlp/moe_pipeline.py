@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from .moe import MoEFeedForward, RoutingStats, moe_blocks
+from .moe import MoEFeedForward, balancing_factor, moe_blocks, routing_totals
 
 FORWARDS_FIRST = ("gpipe", "looped_bfs")  # the suite's step_hooks.FORWARDS_FIRST, restated (no suite import)
 
@@ -64,17 +64,11 @@ class PipelinedBalancing:
         if not block.aux_loss_weight:
             return out
         if len(stats) == self.step.microbatches and block not in self._totals:
-            self._totals[block] = self._step_totals(stats)
+            self._totals[block] = routing_totals(stats, self.step.data_mean)
             counts, tokens = self._totals[block]
-            scale = block.aux_loss_weight * block.num_experts / (block.top_k * tokens * tokens)
+            scale = block.aux_loss_weight * balancing_factor(block.num_experts, block.top_k, tokens)
             self._coefficients[block] = (scale * counts * self.step.loss_scale).detach()
         return _BalancingGradient.apply(out, stats[-1].prob_sums, self, block)
-
-    def _step_totals(self, stats: list[RoutingStats]) -> tuple[Tensor, Tensor]:
-        counts = torch.stack([s.counts for s in stats]).sum(0)
-        tokens = sum(s.tokens for s in stats).reshape(1)
-        packed = self.step.data_mean(torch.cat([counts, tokens]))  # a collective over this stage's data ranks
-        return packed[:-1], packed[-1]
 
     def coefficient(self, block: nn.Module) -> Tensor:
         """The gradient of the balancing loss per unit of one micro-batch's probability sums of ``block``."""
@@ -98,12 +92,12 @@ class PipelinedBalancing:
         loss, dropped, imbalance = (torch.zeros((), device=device) for _ in range(3))
         for block in blocks:
             stats = block.pop_routing_stats()[: self.step.microbatches]  # recomputed forwards came after
-            counts, tokens = self._totals.get(block) or self._step_totals(stats)
+            counts, tokens = self._totals.get(block) or routing_totals(stats, self.step.data_mean)
             dropped = dropped + self.step.data_sum(sum(s.dropped for s in stats))
             imbalance = torch.maximum(imbalance, counts.max() / counts.mean().clamp_min(1e-9))
             if block.aux_loss_weight:
                 sums = self.step.data_mean(torch.stack([s.prob_sums.detach() for s in stats]).sum(0))
-                scale = block.aux_loss_weight * block.num_experts / (block.top_k * tokens * tokens)
+                scale = block.aux_loss_weight * balancing_factor(block.num_experts, block.top_k, tokens)
                 loss = loss + scale * (counts * sums).sum()
             if block.router_kind == "sigmoid":
                 block.update_expert_bias(mean=self.step.data_mean)

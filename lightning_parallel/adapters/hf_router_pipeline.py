@@ -74,6 +74,7 @@ class PipelinedRouterLoss:
         self.experts, self.top_k = int(model.num_experts), int(model.num_experts_per_tok)
         self.coef, self.tensor_size = float(model.router_aux_loss_coef), tensor_parallel_size
         self.blocks = [pair for stage in stages for pair in sparse_blocks(stage)]
+        self._block_of = {router: block for block, router in self.blocks}
         self.step: Optional[Any] = None
         self._mask: Optional[Tensor] = None
         self._logits: dict[nn.Module, tuple[Tensor, Tensor]] = {}
@@ -102,8 +103,7 @@ class PipelinedRouterLoss:
                 else torch.ones(logits.shape[0], device=logits.device))
         counts, probs, rows = routing_statistics((logits.detach(),), self.experts, self.top_k, self._mask)
         self._sums += torch.cat([counts, probs, rows.view(1)])
-        block = next(b for b, r in self.blocks if r is module)
-        self._logits[block] = (logits, mask.to(logits.device))
+        self._logits[self._block_of[module]] = (logits, mask.to(logits.device))
         self._forwards += 1
         if self._forwards == self.step.microbatches * len(self.blocks):
             self._start_sum()
