@@ -186,3 +186,24 @@ def rescale_for_layout(
         warmup_steps: configured warm-up.
     """
     return rescale(rule, reference, layout.data_parallel, micro_batch_size, accumulate_grad_batches, lr, warmup_steps)
+
+
+def lr_factor(rule: str, data_parallel: int, reference_data_parallel: int) -> float:
+    """How ``rule`` scales the learning rate when ``data_parallel`` replicas of the same micro-batch and
+    accumulation take a step that was planned for ``reference_data_parallel`` (the global batch scales with them).
+
+    Args:
+        rule: ``linear`` (proportional), ``sqrt``, or ``none``/``fixed_global_batch`` (unchanged: 1.0).
+        data_parallel: replicas taking this step.
+        reference_data_parallel: replicas the run's learning rate was set for.
+    """
+    _check_positive("data_parallel", data_parallel)
+    _check_positive("reference_data_parallel", reference_data_parallel)
+    ratio = data_parallel / reference_data_parallel
+    if rule == "linear":
+        return ratio
+    if rule == "sqrt":
+        return math.sqrt(ratio)
+    if rule in ("none", "fixed_global_batch"):
+        return 1.0
+    raise ValueError(f"Unknown scaling rule {rule!r}: choose one of {', '.join(RULES)}.")

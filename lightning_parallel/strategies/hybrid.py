@@ -12,7 +12,6 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -28,9 +27,9 @@ from typing_extensions import override
 
 from lightning_parallel import _compat
 from lightning_parallel.adapters import ModelAdapter
-from lightning_parallel.checkpoints import optimizer_state_dict, resolve_checkpoint, save_sharded_checkpoint
-from lightning_parallel.checkpoints.lightning.writer import parameter_order_entry
-from lightning_parallel.checkpoints.resume import resume_from
+from lightning_parallel.checkpoints import optimizer_state_dict
+from lightning_parallel.fault_tolerance.options import FaultTolerance
+from lightning_parallel.fault_tolerance.replicas import ReplicaGroups
 from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout
 from lightning_parallel.parallel.compose import Parallelized, check_module, parallelize
 from lightning_parallel.parallel.data import deferred_gradient_sync
@@ -44,6 +43,11 @@ from lightning_parallel.parallel.precision import check_precision
 from lightning_parallel.strategies import executors
 from lightning_parallel.strategies.clipping import GlobalNormClipping
 from lightning_parallel.strategies.expert_load import report_first_step_load
+from lightning_parallel.strategies.hybrid_checkpoints import (
+    checked_load_optimizer_state,
+    load_strategy_checkpoint,
+    save_strategy_checkpoint,
+)
 from lightning_parallel.strategies.layer_timing import agreed_layer_times
 from lightning_parallel.strategies.meshes import RunMeshes
 from lightning_parallel.strategies.resolved_adapter import resolved_adapter
@@ -83,6 +87,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
             onto this layout, or the load is refused when it cannot be exactly (state that is not
             per-element, a param-group mismatch). ``False``: load everything else (weights,
             loops, LR schedulers, callbacks) and start the optimizer afresh, with a warning.
+        fault_tolerance: a :class:`~lightning_parallel.fault_tolerance.FaultTolerance` (or a mapping of its fields):
+            this run is one replica group of several that survive each other's loss (torchft). Default: off.
         **option_kwargs: fields of ``ParallelOptions`` by name, e.g. ``pipeline_parallel_size=2,
             zero_stage=2``; every argument is a keyword.
 
@@ -98,8 +104,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
     strategy_name = "hybrid_parallel"
 
     def __init__(self, options: Optional[ParallelOptions] = None, *, process_group_backend: Optional[str] = None,
-                 load_optimizer_state: bool = True, **option_kwargs: Any) -> None:
-        self.load_optimizer_state = _checked_load_optimizer_state(load_optimizer_state)
+                 load_optimizer_state: bool = True, fault_tolerance: Any = None, **option_kwargs: Any) -> None:
+        self.load_optimizer_state = checked_load_optimizer_state(load_optimizer_state)
+        ft = FaultTolerance.from_config(fault_tolerance)
+        self.replica_groups: Optional[ReplicaGroups] = ReplicaGroups(ft) if ft is not None else None
         self.options = options_from(options, option_kwargs, type(self).__name__)
         super().__init__(
             data_parallel_size=self.options.data_parallel_size,
@@ -224,6 +232,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
+            if self.replica_groups is not None:  # the first quorum; a group that is behind heals here
+                self.replica_groups.open(self, trainer, [_unwrap(o) for o in self.optimizers])
 
     def _parallelize(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
         if self._parallelized_module is not None and self._parallelized_module() is module:
@@ -257,7 +267,16 @@ class HybridParallelStrategy(ModelParallelStrategy):
         notice = resumed_shuffle_notice(self.lightning_module.trainer, dataloader, self.layout.shape)
         if notice is not None:  # at the training loader's preparation: once per fit (per reload with reloading)
             rank_zero_info(notice)
+        trainer = self.lightning_module.trainer
+        if self.replica_groups is not None and trainer.training:
+            return self.replica_groups.position_loader(dataloader)
         return dataloader
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        inner = super().distributed_sampler_kwargs
+        return inner if self.replica_groups is None else self.replica_groups.sampler_kwargs(inner)
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -272,6 +291,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @names_timeouts("training_step (pipeline schedule send/recv, tensor-parallel and FSDP collectives)")
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        if self.replica_groups is not None:
+            self.replica_groups.before_forward(batch_idx)
         return self._executor.training_step(lambda: super(HybridParallelStrategy, self).training_step(*args, **kwargs),
                                             args[0] if args else kwargs.get("batch"), batch_idx)
 
@@ -303,18 +324,33 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         # The data axis needs nothing here: FSDP2 reduced the gradients during the last backward. Experts sharded
         # over the expert axis are left out of it: their gradients (the accumulation window's sum) are reduced
-        # over the expert-data group after the closure's backward, before clipping sees them.
-        experts = self._meshes.experts
-        if experts is None:
+        # over the expert-data group after the closure's backward, before clipping sees them; replica groups
+        # (fault tolerance) average after that, so clipping and the optimizer see the same gradient on every group.
+        experts, replicas = self._meshes.experts, self.replica_groups
+        if experts is None and replicas is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_reduce() -> Any:
             result, module = closure(), self.lightning_module
-            reduce_expert_gradients(module, experts.expert_data_group, self.layout.data_context)
-            report_first_step_load(module, experts.expert_data_group, module.trainer.global_step)
+            if experts is not None:
+                reduce_expert_gradients(module, experts.expert_data_group, self.layout.data_context)
+                report_first_step_load(module, experts.expert_data_group, module.trainer.global_step)
+            if replicas is not None:
+                replicas.reduce_and_commit(module, _unwrap(optimizer))
             return result
 
-        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        if replicas is None:
+            return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        try:
+            return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        finally:
+            replicas.after_step()
+
+    @override
+    def teardown(self) -> None:
+        if self.replica_groups is not None:
+            self.replica_groups.close()
+        super().teardown()
 
     @override
     @contextmanager
@@ -341,38 +377,13 @@ class HybridParallelStrategy(ModelParallelStrategy):
         checkpoint.update(self.adapter.checkpoint_metadata())
         if not self.options.save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        if storage_options is not None:
-            raise TypeError(
-                f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes with DCP)."
-            )
-        path = Path(self.broadcast(str(filepath)))
-        checkpoint["lightning_parallel"] = {
-            "layout": self.layout.shape, "zero_stage": self.options.zero_stage, "schedule": self.options.schedule
-        }
-        # The configure_optimizers order of parameters (a collective: every rank saves), so
-        # `lp-convert --to lightning` can key optimizer state by index as Lightning does.
-        checkpoint["lightning_parallel"].update(
-            parameter_order_entry(self.model, [_unwrap(o) for o in self.optimizers])
-        )
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        save_sharded_checkpoint(path, state, checkpoint, self.global_rank == 0, self.barrier)
+        save_strategy_checkpoint(self, checkpoint, filepath, storage_options, [_unwrap(o) for o in self.optimizers])
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load ``checkpoint_path`` from any writer the suite reads, resharded onto this layout
         (see the class docstring)."""
-        path = resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
-        if not path.exists():
-            raise FileNotFoundError(
-                f"Checkpoint {str(path)!r} does not exist: "
-                "check ckpt_path (ModelCheckpoint names files by its filename=)."
-            )
-        return resume_from(
-            path, self.model, [_unwrap(o) for o in self.optimizers], strict=self.lightning_module.strict_loading,
-            load_optimizer_state=self.load_optimizer_state, weights_only=weights_only,
-            local_coordinator=self.local_rank == 0, reader=f"{type(self).__name__} ({self.strategy_name})",
-        )
+        return load_strategy_checkpoint(self, checkpoint_path, weights_only, [_unwrap(o) for o in self.optimizers])
 
     @classmethod
     @override
@@ -381,15 +392,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="data x pipeline x tensor parallelism (lightning_parallel)"
             )
-
-
-def _checked_load_optimizer_state(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(
-            f"load_optimizer_state must be True (restore ckpt_path's optimizer state or refuse) or False (start the "
-            f"optimizer afresh), not {value!r}."
-        )
-    return value
 
 
 def _unwrap(optimizer: Any) -> Optimizer:

@@ -119,16 +119,16 @@ def run_processes(
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1.")
-    procs, results = _start_ranks(fn, world_size, args, kwargs, env)
+    procs, results = start_ranks(fn, world_size, args, kwargs, env)
     outputs: dict[int, Any] = {}
     try:
         _collect(procs, results, outputs, timeout)
     finally:
-        _stop(procs, finished=len(outputs) == world_size)
+        stop_ranks(procs, finished=len(outputs) == world_size)
     return [outputs[rank] for rank in range(world_size)]
 
 
-def _start_ranks(
+def start_ranks(
     fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, env: Optional[dict[str, str]]
 ) -> tuple[list[Any], mp.Queue]:
     """Start the ranks on a free port; each reports ``(rank, ok, pickled value or traceback)`` on the queue."""
@@ -174,7 +174,7 @@ def _collect(procs: list[Any], results: mp.Queue, outputs: dict[int, Any], timeo
         outputs[rank] = pickle.loads(value)
 
 
-def _stop(procs: list[Any], finished: bool) -> None:
+def stop_ranks(procs: list[Any], finished: bool) -> None:
     """Join the ranks (briefly when the run failed) and kill any still alive."""
     for proc in procs:
         proc.join(timeout=10 if finished else 0.1)

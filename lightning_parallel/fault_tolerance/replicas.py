@@ -1,0 +1,288 @@
+"""The strategy's side of fault tolerance: one torchft manager per rank, a quorum per step, gradients averaged
+across replica groups, a vote before every optimizer step, and a healthy peer's state for a group that rejoins.
+
+A step under ``strategy.fault_tolerance`` (mode ``ddp``):
+
+1. Before the first forward of the accumulation window: a quorum (synchronous). A group that is behind -- one
+   that restarted -- receives the current parameters, optimizer and scheduler state and data position from a
+   healthy peer here (torchft's HTTP transport, no checkpoint read) and takes part in this very step.
+2. After backward (and the expert and data-axis reductions inside the group): one all-reduce per gradient dtype
+   across the groups of the quorum (torchft divides by the groups taking part), then the commit vote. A step that
+   does not commit (a group died mid-step) leaves the parameters untouched on every group.
+3. The optimizer step, with the learning rate scaled by ``lr_rule`` for the groups taking part.
+
+Lightning's ``global_step`` counts committed steps, so ``max_steps`` means committed updates.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_parallel.fault_tolerance.data_position import skip_batches
+from lightning_parallel.fault_tolerance.lighthouse import check_reachable, require_torchft
+from lightning_parallel.fault_tolerance.options import FaultTolerance
+from lightning_parallel.fault_tolerance.replica_state import local, state_functions
+from lightning_parallel.scaling import lr_factor
+
+
+class ReplicaGroups:
+    """Fault tolerance across replica groups for one rank of one group (see the module docstring).
+
+    Args:
+        options: ``strategy.fault_tolerance`` (resolved from the environment at :meth:`open`).
+    """
+
+    def __init__(self, options: FaultTolerance) -> None:
+        if options.mode != "ddp":
+            raise ValueError(f"fault_tolerance.mode={options.mode!r} is not built yet: use mode=ddp (per-step "
+                             f"gradient averaging across replica groups); see docs/fault-tolerance.md.")
+        self.options = options
+        self.manager: Any = None
+        self.process_group: Any = None
+        self.participants = 0
+        self.failed_commits = 0
+        self._need_quorum = True
+        self._committed = True
+        self._position = {"epoch": 0, "batch": 0}
+        self._recovered: Optional[dict[str, int]] = None
+        self._skip_batches = 0
+        self._trainer: Any = None
+        self._started = False
+        self._planned_lr: Optional[tuple[Optimizer, list[float]]] = None
+
+    @property
+    def resolved(self) -> FaultTolerance:
+        """The options with replica group, group count and lighthouse filled from the environment."""
+        return self.options.resolved()
+
+    def sampler_kwargs(self, inner: dict[str, int]) -> dict[str, int]:
+        """Lightning's ``distributed_sampler_kwargs`` across groups: group ``g`` reads shards ``g*d .. g*d+d-1``.
+
+        Args:
+            inner: the group's own ``{"num_replicas": d, "rank": r}`` (its data axis).
+        """
+        o = self.resolved
+        return {"num_replicas": inner["num_replicas"] * o.replicas, "rank": o.replica_id * inner["num_replicas"]
+                + inner["rank"]}
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def open(self, strategy: Any, trainer: Any, optimizers: list[Optimizer]) -> None:
+        """Start this rank's manager and take the first quorum, healing from a peer if this group is behind.
+
+        Args:
+            strategy: the strategy (its rank, world size, device and cluster environment: the group's own store).
+            trainer: the Trainer (schedulers and loop counters).
+            optimizers: the torch optimizers.
+        """
+        torchft = require_torchft()
+        o = self.resolved
+        check_reachable(o.lighthouse, o.connect_timeout)
+        self._trainer = trainer
+        timeout = timedelta(seconds=o.timeout)
+        pg = torchft.ProcessGroupNCCL(timeout=timeout) if strategy.root_device.type == "cuda" else \
+            torchft.ProcessGroupGloo(timeout=timeout)
+        self.process_group = pg  # reconfigured by the manager at every quorum change
+        state_dict, load_state_dict = state_functions(
+            strategy.lightning_module, lambda: optimizers, lambda: [c.scheduler for c in trainer.lr_scheduler_configs],
+            lambda: self._position, self._on_recovered)
+        env = strategy.cluster_environment
+        # Synchronous quorum: a group that heals takes part in the same step, so no batch is read in vain.
+        self.manager = torchft.Manager(
+            pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=o.min_replicas,
+            use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=o.quorum_timeout),
+            connect_timeout=timedelta(seconds=o.connect_timeout), rank=strategy.global_rank,
+            world_size=strategy.world_size, store_addr=env.main_address, store_port=env.main_port,
+            lighthouse_addr=o.lighthouse, replica_id=f"replica_{o.replica_id}", init_sync=True)
+        self._quorum()  # the first step's quorum, before the training loader exists (see process_dataloader)
+
+    def close(self) -> None:
+        """Stop the manager (its server and checkpoint transport)."""
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+
+    # --- per step ---------------------------------------------------------------------------
+    def before_forward(self, batch_idx: int) -> None:
+        """The window's quorum (once per optimizer step) and the data position a healing peer would take."""
+        if self._trainer is None:
+            return
+        self._started = True
+        self._position = {"epoch": int(self._trainer.current_epoch), "batch": int(batch_idx)}
+        if self._need_quorum:
+            self._quorum()
+
+    def reduce_and_commit(self, module: nn.Module, optimizer: Optimizer) -> bool:
+        """Average gradients across the quorum's groups, vote, and set the learning rate for the groups taking
+        part; a step that does not commit drops the gradients (the optimizer then changes nothing).
+
+        Args:
+            module: the trained module (this rank's share).
+            optimizer: the torch optimizer about to step (:meth:`after_step` restores its planned learning rate).
+        """
+        params = [p for p in module.parameters() if p.requires_grad]
+        average_gradients(self.manager, params)
+        self._committed = bool(self.manager.should_commit())
+        if not self._committed:
+            self.failed_commits += 1
+            for p in params:  # optimizers skip parameters without a gradient: the step changes nothing
+                p.grad = None
+            self._say(f"step {self.manager.current_step()} did not commit (a replica group failed during it); "
+                      f"the parameters are unchanged and the next step forms a new quorum")
+        # After the quorum of this step (the closure's forward took it): its size sets the factor.
+        factor = lr_factor(self.options.lr_rule, max(self.participants, 1), self.resolved.replicas)
+        self._planned_lr = (optimizer, [group["lr"] for group in optimizer.param_groups])
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+        return self._committed
+
+    @property
+    def last_committed(self) -> bool:
+        """Whether the last optimizer step committed (its update was applied on every group of its quorum)."""
+        return self._committed
+
+    def after_step(self) -> None:
+        """Restore the planned learning rate (LR schedulers and checkpoints see it) and make Lightning's step
+        counter follow the committed steps (it adds one after this returns)."""
+        if self._planned_lr is not None:
+            optimizer, planned = self._planned_lr
+            for group, lr in zip(optimizer.param_groups, planned):
+                group["lr"] = lr
+            self._planned_lr = None
+        self._need_quorum = True
+        set_global_step(self._trainer, self.manager.current_step() - 1)
+
+    # --- data ------------------------------------------------------------------------------
+    def position_loader(self, loader: Any) -> Any:
+        """Start the training loader where the healthy groups are (after a heal at start-up)."""
+        if self._skip_batches:
+            notice = skip_batches(loader, self._skip_batches)
+            self._say(notice or f"training data resumes at batch {self._skip_batches} of epoch "
+                      f"{self._trainer.current_epoch} of this group's shard")
+            self._skip_batches = 0
+        return loader
+
+    # --- internals -------------------------------------------------------------------------
+    def _quorum(self) -> None:
+        o, started = self.resolved, time.perf_counter()
+        try:
+            self.manager.start_quorum()
+        except TimeoutError as error:
+            raise RuntimeError(
+                f"fault_tolerance: no quorum of {o.min_replicas} replica group(s) formed within "
+                f"{o.quorum_timeout:g} s (lighthouse {o.lighthouse}). Start the other groups, or lower "
+                f"fault_tolerance.min_replicas / the lighthouse's --min_replicas.") from error
+        self._need_quorum = False
+        participants = self.manager.num_participants()
+        if not self._started and self.manager.current_step() == 0 and participants < o.replicas:
+            participants = self._wait_for_all_groups(participants)
+        if self._recovered is not None:
+            self._heal_loop_state(self._recovered, time.perf_counter() - started)
+            self._recovered = None
+        if participants != self.participants:
+            factor = lr_factor(o.lr_rule, max(participants, 1), o.replicas)
+            skipped = self.manager.current_step() * o.replicas - self.manager.batches_committed()
+            self._say(f"quorum of {participants}/{o.replicas} replica groups at step {self.manager.current_step()}: "
+                      f"global batch x{participants / o.replicas:g}, learning rate x{factor:.4g} ({o.lr_rule}); "
+                      f"replica-batches not trained so far: {max(skipped, 0)}")
+            self.participants = participants
+
+    def _wait_for_all_groups(self, participants: int) -> int:
+        """A fresh start waits (``startup_wait``) for every group, so step 0 is not taken by whichever group
+        reached the lighthouse first. The number of tries, not the clock, ends the wait: every rank of a group
+        sees the same quorums, so all of them stop at the same one."""
+        o = self.resolved
+        for _ in range(int(o.startup_wait / 0.25)):
+            if participants >= o.replicas:
+                break
+            time.sleep(0.25)
+            self.manager.start_quorum()
+            participants = self.manager.num_participants()
+        if participants < o.replicas:
+            self._say(f"starting with {participants}/{o.replicas} replica groups after waiting {o.startup_wait:g} s "
+                      f"for the others (fault_tolerance.startup_wait); they join when they come")
+        return participants
+
+    def _on_recovered(self, position: dict[str, int]) -> None:
+        self._recovered = dict(position)  # applied by _quorum on the main thread, after the state is loaded
+
+    def _heal_loop_state(self, position: dict[str, int], seconds: float) -> None:
+        trainer, step = self._trainer, self.manager.current_step()
+        set_global_step(trainer, step)
+        if self._started:  # a group that fell behind mid-run: its loader is already running and continues
+            where = "this group's data position continues"
+        else:  # at start-up the loader does not exist yet: it starts where the healthy groups are
+            set_epoch(trainer, position["epoch"])
+            self._skip_batches = position["batch"]
+            where = f"data from epoch {position['epoch']}, batch {position['batch']}"
+        self._say(f"recovered step {step} from a healthy replica group in {seconds:.2f} s ({where})")
+
+    def _say(self, message: str) -> None:
+        rank_zero_info(f"lightning_parallel: [replica group {self.resolved.replica_id}] {message}")
+
+
+def average_gradients(manager: Any, params: list[torch.Tensor]) -> None:
+    """One torchft all-reduce (average over the groups taking part) per gradient dtype, in parameter order.
+
+    Every group flattens the same parameters in the same order; a parameter without a gradient sends zeros and a
+    presence flag, so a gradient absent on one group but present on another (or on a group that sends zeros while
+    it heals) is rebuilt, and one absent everywhere stays ``None`` as the optimizer expects.
+    """
+    grads = [local(p.grad) if p.grad is not None else None for p in params]
+    shapes = [local(p.data).shape for p in params]
+    dtypes = [g.dtype if g is not None else p.dtype for p, g in zip(params, grads)]
+    device = local(params[0].data).device if params else torch.device("cpu")
+    present = torch.tensor([0.0 if g is None else 1.0 for g in grads], device=device)
+    buckets: dict[torch.dtype, list[int]] = {}
+    for i, dtype in enumerate(dtypes):
+        buckets.setdefault(dtype, []).append(i)
+    flats = {dtype: torch.cat([(grads[i] if grads[i] is not None else torch.zeros(shapes[i], dtype=dtype,
+                                                                                   device=device)).reshape(-1)
+                               for i in idx]) for dtype, idx in buckets.items()}
+    for work in [manager.allreduce(present)] + [manager.allreduce(flat) for flat in flats.values()]:
+        work.wait()
+    for dtype, idx in buckets.items():
+        offset = 0
+        for i in idx:
+            n = shapes[i].numel()
+            chunk = flats[dtype][offset:offset + n].view(shapes[i])
+            offset += n
+            if present[i] == 0:
+                params[i].grad = None
+            elif grads[i] is not None:
+                grads[i].copy_(chunk)
+            else:
+                params[i].grad = _grad_like(params[i], chunk)
+
+
+def _grad_like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    if isinstance(param, DTensor):
+        return DTensor.from_local(value.clone(), param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return value.clone()
+
+
+def set_global_step(trainer: Any, step: int) -> None:
+    """Set Lightning's optimizer-step count (what ``trainer.global_step`` reads and ``max_steps`` checks)."""
+    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    progress.ready = progress.completed = max(step, 0)
+
+
+def set_epoch(trainer: Any, epoch: int) -> None:
+    """Set Lightning's epoch counters before the fit loop starts (a group rejoining in a later epoch)."""
+    for counter in (trainer.fit_loop.epoch_progress.total, trainer.fit_loop.epoch_progress.current):
+        counter.ready = counter.started = counter.processed = counter.completed = epoch
+
+
+def ft_environment(replica_id: int, replicas: int, lighthouse: str) -> dict[str, str]:
+    """The environment a replica group's processes need (what lp-train and the test harness set)."""
+    return {"REPLICA_GROUP_ID": str(replica_id), "NUM_REPLICA_GROUPS": str(replicas), "TORCHFT_LIGHTHOUSE": lighthouse,
+            "TORCHFT_QUORUM_RETRIES": os.environ.get("TORCHFT_QUORUM_RETRIES", "0")}

@@ -1,0 +1,77 @@
+"""The hybrid strategy's checkpoint writing and reading: a sharded DCP folder out, any writer the suite reads in.
+
+Kept beside :mod:`lightning_parallel.strategies.hybrid` so that module stays Lightning's lifecycle; the work
+itself is :mod:`lightning_parallel.checkpoints`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from torch.optim import Optimizer
+
+from lightning_parallel.checkpoints import resolve_checkpoint, save_sharded_checkpoint
+from lightning_parallel.checkpoints.lightning.writer import parameter_order_entry
+from lightning_parallel.checkpoints.resume import resume_from
+
+
+def save_strategy_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any],
+                             optimizers: list[Optimizer]) -> None:
+    """Write ``checkpoint`` as the strategy's sharded folder (every rank calls this).
+
+    Args:
+        strategy: the ``HybridParallelStrategy``.
+        checkpoint: Lightning's checkpoint dict (``state_dict`` and ``optimizer_states`` are taken out of it).
+        filepath: the folder to write.
+        storage_options: must be ``None`` (DCP writes the folder).
+        optimizers: the torch optimizers, in ``configure_optimizers`` order.
+    """
+    if storage_options is not None:
+        raise TypeError(
+            f"{type(strategy).__name__}.save_checkpoint does not take storage_options (it writes with DCP)."
+        )
+    path = Path(strategy.broadcast(str(filepath)))
+    checkpoint["lightning_parallel"] = {
+        "layout": strategy.layout.shape, "zero_stage": strategy.options.zero_stage,
+        "schedule": strategy.options.schedule,
+    }
+    # The configure_optimizers order of parameters (a collective: every rank saves), so
+    # `lp-convert --to lightning` can key optimizer state by index as Lightning does.
+    checkpoint["lightning_parallel"].update(parameter_order_entry(strategy.model, optimizers))
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    save_sharded_checkpoint(path, state, checkpoint, strategy.global_rank == 0, strategy.barrier)
+
+
+def load_strategy_checkpoint(strategy: Any, checkpoint_path: Any, weights_only: Optional[bool],
+                             optimizers: list[Optimizer]) -> dict[str, Any]:
+    """Load ``checkpoint_path`` (the suite's folder, Lightning's files or folders, DeepSpeed's) onto the layout.
+
+    Args:
+        strategy: the ``HybridParallelStrategy``.
+        checkpoint_path: what the user gave as ``ckpt_path``.
+        weights_only: passed to ``torch.load`` for single files.
+        optimizers: the torch optimizers to restore.
+    """
+    path = resolve_checkpoint(Path(strategy.broadcast(str(checkpoint_path))))
+    if not path.exists():
+        raise FileNotFoundError(
+            f"Checkpoint {str(path)!r} does not exist: "
+            "check ckpt_path (ModelCheckpoint names files by its filename=)."
+        )
+    return resume_from(
+        path, strategy.model, optimizers, strict=strategy.lightning_module.strict_loading,
+        load_optimizer_state=strategy.load_optimizer_state, weights_only=weights_only,
+        local_coordinator=strategy.local_rank == 0, reader=f"{type(strategy).__name__} ({strategy.strategy_name})",
+    )
+
+
+def checked_load_optimizer_state(value: Any) -> bool:
+    """``load_optimizer_state`` if it is a bool; else a ``ValueError`` saying what each value does."""
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"load_optimizer_state must be True (restore ckpt_path's optimizer state or refuse) or False (start the "
+            f"optimizer afresh), not {value!r}."
+        )
+    return value

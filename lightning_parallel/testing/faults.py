@@ -1,0 +1,97 @@
+"""Fault injection for fault-tolerant runs: a rank that dies at a given step, in its first incarnation only.
+
+Usable in your own tests as in the suite's::
+
+    trainer = Trainer(..., strategy=HybridParallelStrategy(..., fault_tolerance={...}),
+                      callbacks=[FaultInjection(fail_at(replica=1, rank=0, step=5))])
+
+A fault fires in the first incarnation of its replica group only (``$TORCHELASTIC_RESTART_COUNT`` under torchrun,
+``$LP_FT_INCARNATION`` under :func:`~lightning_parallel.testing.replica_groups.run_replica_groups`), at the start of
+the given committed step (``trainer.global_step``), so the restarted group runs on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+# Only a process that dies is injected: a hung rank and an aborted cross-group collective are not handled yet
+# (docs/fault-tolerance.md says what happens with each, as measured).
+KINDS = ("exit",)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault.
+
+    Args:
+        kind: ``exit`` (the process dies at once, as a lost host would).
+        replica: replica group (``$REPLICA_GROUP_ID``).
+        rank: rank inside the group.
+        step: committed step at whose start it fires.
+    """
+
+    kind: str
+    replica: int
+    rank: int
+    step: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Fault kind {self.kind!r}: choose one of {', '.join(KINDS)}.")
+
+
+def fail_at(replica: int, rank: int, step: int) -> Fault:
+    """Rank ``rank`` of group ``replica`` exits (code 17, no clean-up) at the start of step ``step``."""
+    return Fault("exit", replica, rank, step)
+
+
+def incarnation() -> int:
+    """How many times this replica group has been restarted (0: the first run)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("LP_FT_INCARNATION", "0")))
+
+
+class FaultInjection(Callback):
+    """Fire the given faults in this process when their group, rank and step come.
+
+    Args:
+        *faults: from :func:`fail_at`, :func:`hang_at`, :func:`break_collective_at`.
+    """
+
+    def __init__(self, *faults: Fault) -> None:
+        self.faults = faults
+
+    def _due(self, trainer: Any, kinds: tuple[str, ...]) -> list[Fault]:
+        if incarnation() != 0:
+            return []
+        replica = int(os.environ.get("REPLICA_GROUP_ID", "0"))
+        return [f for f in self.faults if f.kind in kinds and f.replica == replica and f.rank == trainer.global_rank
+                and f.step == trainer.global_step]
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._due(trainer, ("exit",)):
+            os._exit(17)
+
+
+class HoldWhileDegraded(Callback):
+    """Slow this group's steps while the quorum lacks groups, so a restarted group can rejoin before the end.
+
+    Tests only: on a few CPU cores a group alone finishes in less time than a restart takes.
+
+    Args:
+        seconds: pause per step while degraded.
+        budget: most seconds paused in all.
+    """
+
+    def __init__(self, seconds: float = 0.5, budget: float = 60.0) -> None:
+        self.seconds, self.budget = seconds, budget
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        groups = trainer.strategy.replica_groups
+        if 0 < groups.participants < groups.resolved.replicas and self.budget > 0:
+            time.sleep(self.seconds)
+            self.budget -= self.seconds
