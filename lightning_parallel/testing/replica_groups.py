@@ -84,32 +84,38 @@ def run_replica_groups(fn: Callable[..., Any], groups: int, group_size: int, *ar
     try:
         for group in state:
             launch(group)
-        while any(len(g.outputs) < group_size for g in state):
-            if time.monotonic() > deadline:
-                raise DistributedRunError(f"replica groups timed out after {timeout:.0f}s: "
-                                          f"{[(g.index, sorted(g.outputs)) for g in state]}")
-            for group in state:
-                if group.relaunch_at is not None:
-                    if time.monotonic() >= group.relaunch_at:
-                        group.relaunch_at = None
-                        launch(group)
-                    continue
-                failure = _poll(group, group_size)
-                if failure is None:
-                    continue
-                group.failures.append(failure)
-                stop_ranks(group.procs, finished=False)
-                if group.incarnation >= restarts:
-                    raise DistributedRunError(f"replica group {group.index} failed {len(group.failures)} times; "
-                                              f"last:\n{failure}")
-                group.incarnation += 1
-                group.relaunch_at = time.monotonic() + restart_delay
+        _supervise(state, launch, group_size, restarts, restart_delay, deadline)
     finally:
         for group in state:
             stop_ranks(group.procs, finished=len(group.outputs) == group_size)
         lighthouse.shutdown()
     return ReplicaGroupsResult([[g.outputs[r] for r in range(group_size)] for g in state],
                                [g.incarnation for g in state], [g.failures for g in state])
+
+
+def _supervise(state: list[_Group], launch: Callable[[_Group], None], group_size: int, restarts: int,
+               restart_delay: float, deadline: float) -> None:
+    """Collect every group's results; stop and (after ``restart_delay``) restart a group that fails."""
+    while any(len(g.outputs) < group_size for g in state):
+        if time.monotonic() > deadline:
+            raise DistributedRunError("replica groups timed out: "
+                                      f"{[(g.index, sorted(g.outputs)) for g in state]}")
+        for group in state:
+            if group.relaunch_at is not None:
+                if time.monotonic() >= group.relaunch_at:
+                    group.relaunch_at = None
+                    launch(group)
+                continue
+            failure = _poll(group, group_size)
+            if failure is None:
+                continue
+            group.failures.append(failure)
+            stop_ranks(group.procs, finished=False)
+            if group.incarnation >= restarts:
+                raise DistributedRunError(f"replica group {group.index} failed {len(group.failures)} times; "
+                                          f"last:\n{failure}")
+            group.incarnation += 1
+            group.relaunch_at = time.monotonic() + restart_delay
 
 
 def _poll(group: _Group, group_size: int) -> Optional[str]:

@@ -18,7 +18,7 @@ from lightning_parallel.testing.faults import FaultInjection, HoldWhileDegraded,
 from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
 
 WIDTH, DEPTH, BATCH, SAMPLES = 16, 4, 4, 512
-LAYOUTS = {"pipeline 2": {"pipeline_parallel_size": 2, "microbatches": 2, "schedule": "gpipe"},
+LAYOUTS = {"pipeline 2": {"pipeline_parallel_size": 2, "microbatches": 2, "schedule": "gpipe"}, "one": {},
            "tensor 2": {"tensor_parallel_size": 2}}
 
 
