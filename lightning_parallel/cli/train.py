@@ -271,8 +271,12 @@ def run(cfg: DictConfig) -> Optional[float]:
     from hydra.core.hydra_config import HydraConfig
 
     from lightning_parallel.cli.launch import local_ranks, restored_rank_environment
+    from lightning_parallel.cli.replica_launch import supervise, supervises
     from lightning_parallel.cli.run_start import prepare_run
 
+    if supervises(cfg):  # strategy.fault_tolerance on one node: start the replica groups, each its own lp-train
+        supervise(cfg)
+        return None
     run_ = prepare_run(cfg)
     prepared = (run_.strategy, run_.layout)
     with restored_rank_environment():

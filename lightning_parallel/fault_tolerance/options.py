@@ -44,6 +44,8 @@ class FaultTolerance:
         timeout: seconds for a cross-replica collective, a commit vote or a recovery transfer.
         quorum_timeout: seconds to wait for a quorum before the run stops with an error.
         connect_timeout: seconds to reach the lighthouse before the run stops with an error.
+        max_restarts: how often ``lp-train`` restarts a failed group on one node (a cluster's ``torchrun
+            --max-restarts`` does it there).
         startup_wait: seconds a fresh start waits for every replica group before step 0 (then it starts with the
             groups present, and the others join as they come).
     """
@@ -61,12 +63,15 @@ class FaultTolerance:
     quorum_timeout: float = 120.0
     connect_timeout: float = 10.0
     startup_wait: float = 60.0
+    max_restarts: int = 3
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"fault_tolerance.mode={self.mode!r}: choose one of {', '.join(MODES)}.")
         if self.lr_rule not in LR_RULES:
             raise ValueError(f"fault_tolerance.lr_rule={self.lr_rule!r}: choose one of {', '.join(LR_RULES)}.")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"fault_tolerance.max_restarts={self.max_restarts!r} must be an integer >= 0.")
         for name in ("min_replicas", "sync_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -33,15 +33,16 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             its fields as keywords, where this preset's size defaults apply.
         process_group_backend: see :class:`HybridParallelStrategy`.
         load_optimizer_state: see :class:`HybridParallelStrategy`.
+        fault_tolerance: see :class:`HybridParallelStrategy`.
         **option_kwargs: fields of ``ParallelOptions`` by name, e.g. ``pipeline_parallel_size=2``.
     """
 
     strategy_name = "pipeline_parallel"
 
     def __init__(self, options: Optional[ParallelOptions] = None, *, process_group_backend: Optional[str] = None,
-                 load_optimizer_state: bool = True, **option_kwargs: Any) -> None:
+                 load_optimizer_state: bool = True, fault_tolerance: Any = None, **option_kwargs: Any) -> None:
         super().__init__(options, process_group_backend=process_group_backend,
-                         load_optimizer_state=load_optimizer_state,
+                         load_optimizer_state=load_optimizer_state, fault_tolerance=fault_tolerance,
                          **_preset_sizes("pipeline_parallel_size", options, option_kwargs))
 
 
@@ -57,15 +58,16 @@ class TensorParallelStrategy(HybridParallelStrategy):
             preset's size defaults apply.
         process_group_backend: see :class:`HybridParallelStrategy`.
         load_optimizer_state: see :class:`HybridParallelStrategy`.
+        fault_tolerance: see :class:`HybridParallelStrategy`.
         **option_kwargs: fields of ``ParallelOptions`` by name, e.g. ``tensor_parallel_size=2``.
     """
 
     strategy_name = "tensor_parallel"
 
     def __init__(self, options: Optional[ParallelOptions] = None, *, process_group_backend: Optional[str] = None,
-                 load_optimizer_state: bool = True, **option_kwargs: Any) -> None:
+                 load_optimizer_state: bool = True, fault_tolerance: Any = None, **option_kwargs: Any) -> None:
         super().__init__(options, process_group_backend=process_group_backend,
-                         load_optimizer_state=load_optimizer_state,
+                         load_optimizer_state=load_optimizer_state, fault_tolerance=fault_tolerance,
                          **_preset_sizes("tensor_parallel_size", options, option_kwargs))
 
 
@@ -80,16 +82,17 @@ class ContextParallelStrategy(HybridParallelStrategy):
             ...), taken as it is; or its fields as keywords, where this preset's size defaults apply.
         process_group_backend: see :class:`HybridParallelStrategy`.
         load_optimizer_state: see :class:`HybridParallelStrategy`.
+        fault_tolerance: see :class:`HybridParallelStrategy`.
         **option_kwargs: fields of ``ParallelOptions`` by name, e.g. ``context_parallel_size=2``.
     """
 
     strategy_name = "context_parallel"
 
     def __init__(self, options: Optional[ParallelOptions] = None, *, process_group_backend: Optional[str] = None,
-                 load_optimizer_state: bool = True, **option_kwargs: Any) -> None:
+                 load_optimizer_state: bool = True, fault_tolerance: Any = None, **option_kwargs: Any) -> None:
         if options is None:  # "auto" context takes explicit other sizes: data 1 unless given
             option_kwargs.setdefault("context_parallel_size", "auto")
             auto = option_kwargs["context_parallel_size"] == "auto"
             option_kwargs.setdefault("data_parallel_size", 1 if auto else "auto")
         super().__init__(options, process_group_backend=process_group_backend,
-                         load_optimizer_state=load_optimizer_state, **option_kwargs)
+                         load_optimizer_state=load_optimizer_state, fault_tolerance=fault_tolerance, **option_kwargs)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback
 
@@ -55,6 +55,14 @@ def incarnation() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("LP_FT_INCARNATION", "0")))
 
 
+def _parse(spec: str) -> Fault:
+    try:
+        replica, rank, step = (int(part) for part in str(spec).split(":"))
+    except ValueError:
+        raise ValueError(f"fail_at entry {spec!r} must read replica:rank:step, e.g. '1:0:5'.") from None
+    return fail_at(replica, rank, step)
+
+
 class FaultInjection(Callback):
     """Fire the given faults in this process when their group, rank and step come.
 
@@ -62,8 +70,8 @@ class FaultInjection(Callback):
         *faults: from :func:`fail_at`, :func:`hang_at`, :func:`break_collective_at`.
     """
 
-    def __init__(self, *faults: Fault) -> None:
-        self.faults = faults
+    def __init__(self, *faults: Fault, fail_at: Optional[list[str]] = None) -> None:
+        self.faults = faults + tuple(_parse(spec) for spec in (fail_at or []))
 
     def _due(self, trainer: Any, kinds: tuple[str, ...]) -> list[Fault]:
         if incarnation() != 0:

@@ -1,0 +1,118 @@
+"""Per-step cost of fault tolerance: replica groups on torchft against the same layout on one fixed process group.
+
+    python -m benchmarks.fault_tolerance_overhead           # 3 rounds of 40 steps (10 warm-up)
+    python -m benchmarks.fault_tolerance_overhead --quick   # 1 round of 20 steps (5 warm-up)
+
+Pairs, each the same model (the residual MLP of the parity tests, width 64, depth 4, AdamW), the same global
+batch and the same data, one process per rank over gloo, through Lightning's ``Trainer.fit``:
+
+* ``data 2`` (``HybridParallelStrategy(data_parallel_size=2)``, FSDP2's replicated data axis) against
+  ``2 groups x 1`` (``fault_tolerance``: two replica groups of one process; the cross-group average, the quorum and
+  the commit vote every step);
+* ``data 2 x pipeline 2`` on 4 processes against ``2 groups x pipeline 2``.
+
+Step time: ``on_train_batch_start`` to ``on_train_batch_end`` on rank 0 (the quorum is taken inside the step, so it
+counts), the median over the timed steps; the two designs of a pair alternate within each round and the ratio is of
+the medians over all rounds. Nothing fails here: this is the price of being able to survive a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_parallel.strategies import HybridParallelStrategy
+from lightning_parallel.testing import run_processes
+from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
+from lightning_parallel.testing.replica_groups import run_replica_groups
+
+WIDTH, DEPTH, BATCH = 64, 4, 16
+QUICK = {"rounds": 1, "steps": 20, "warmup": 5}
+FULL = {"rounds": 3, "steps": 40, "warmup": 10}
+PAIRS = {"data 2": ({"data_parallel_size": 2}, 2, {}, 1),
+         "data 2 x pipeline 2": ({"data_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 2,
+                                  "schedule": "gpipe"}, 4, {"pipeline_parallel_size": 2, "microbatches": 2,
+                                                            "schedule": "gpipe"}, 2)}
+
+
+class StepTimes(Callback):
+    """Wall time of each training step on this rank."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+
+def timed_rank(rank: int, world_size: int, options: dict, steps: int, ft: Any) -> list[float]:
+    pl.seed_everything(0, verbose=False)
+    timer = StepTimes()
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, max_steps=steps, callbacks=[timer],
+                         strategy=HybridParallelStrategy(**options, fault_tolerance=ft), use_distributed_sampler=False,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    model = ResidualMLP(width=WIDTH, depth=DEPTH, optimizer="adamw")
+    trainer.fit(model, datamodule=FixedOrderData(regression_dataset(4096, WIDTH), BATCH))
+    return timer.times
+
+
+def measure(settings: dict) -> list[dict]:
+    times: dict[str, list[float]] = {}
+    for _ in range(settings["rounds"]):
+        for name, (options, world, group_options, group_size) in PAIRS.items():
+            fixed = run_processes(timed_rank, world, options, settings["steps"], None, timeout=600)[0]
+            groups = run_replica_groups(timed_rank, 2, group_size, group_options, settings["steps"],
+                                        {"timeout": 30}, timeout=600).outputs[0][0]
+            times.setdefault(name, []).extend(fixed[settings["warmup"]:])
+            times.setdefault(f"{name} ft", []).extend(groups[settings["warmup"]:])
+    rows = []
+    for name in PAIRS:
+        base, ft = statistics.median(times[name]), statistics.median(times[f"{name} ft"])
+        rows.append({"layout": name, "fixed_ms": base * 1e3, "fault_tolerant_ms": ft * 1e3, "ratio": ft / base,
+                     "added_ms": (ft - base) * 1e3, "steps": len(times[name])})
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    lines = ["| layout | fixed group (ms) | 2 replica groups, torchft (ms) | ratio | added per step (ms) |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['layout']} | {r['fixed_ms']:.2f} | {r['fault_tolerant_ms']:.2f} | {r['ratio']:.3f} | "
+              f"{r['added_ms']:.2f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 round of 20 steps")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results") / str(date.today()))
+    args = parser.parse_args()
+    os.environ.setdefault("RUST_LOG", "warn")
+    settings = QUICK if args.quick else FULL
+    start = time.perf_counter()
+    rows = measure(settings)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"settings": settings, "runtime_s": time.perf_counter() - start, "torch": torch.__version__,
+            "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()}
+    table = render(rows)
+    (args.out / "fault_tolerance_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (args.out / "fault_tolerance_overhead.md").write_text(f"# Fault tolerance overhead\n\n{__doc__}\n\n{table}\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

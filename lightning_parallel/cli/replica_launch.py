@@ -1,0 +1,114 @@
+"""``lp-train`` with ``strategy.fault_tolerance`` on one node: a lighthouse, and each replica group its own
+``lp-train`` (with its share of ``trainer.devices``), restarted when it fails while the others train on.
+
+What a cluster does with ``torchft_lighthouse`` and one ``torchrun --max-restarts`` per group
+(docs/fault-tolerance.md), in one command. Each group writes its own run folder, ``<run dir>/group<g>``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_parallel.cli.preflight import ConfigError
+from lightning_parallel.fault_tolerance.options import ENV_REPLICA_GROUP, FaultTolerance
+
+
+def supervises(cfg: DictConfig) -> bool:
+    """True when this ``lp-train`` should start the replica groups rather than train (a fault-tolerant run that
+    no launcher has split into groups yet)."""
+    from lightning_parallel.cli.launch import launched_externally
+
+    strategy = cfg.get("strategy")
+    node = strategy.get("fault_tolerance") if isinstance(strategy, DictConfig) else None  # strategy=single: "auto"
+    return bool(node) and ENV_REPLICA_GROUP not in os.environ and not launched_externally()
+
+
+@dataclass
+class _GroupProcess:
+    index: int
+    process: Optional[subprocess.Popen] = None
+    restarts: int = 0
+    restart_at: Optional[float] = None
+
+
+def _options(cfg: DictConfig) -> tuple[FaultTolerance, int]:
+    node = cfg.strategy.fault_tolerance
+    ft = FaultTolerance.from_config(OmegaConf.to_container(node, resolve=True) if hasattr(node, "items") else node)
+    if not ft.replicas or ft.replicas < 2:
+        raise ConfigError("strategy.fault_tolerance on one node needs strategy.fault_tolerance.replicas >= 2 (the "
+                          "replica groups lp-train starts; trainer.devices is split between them).")
+    devices = cfg.trainer.devices
+    if not isinstance(devices, int) or devices % ft.replicas:
+        raise ConfigError(f"trainer.devices={devices!r} must be a multiple of strategy.fault_tolerance.replicas="
+                          f"{ft.replicas}: each replica group gets trainer.devices / replicas processes.")
+    return ft, devices // ft.replicas
+
+
+def supervise(cfg: DictConfig) -> int:
+    """Start the lighthouse and the groups; restart a failed group up to ``fault_tolerance.max_restarts`` times.
+
+    Returns:
+        0 when every group finished; raises ``RuntimeError`` when one failed more often than allowed.
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    from lightning_parallel.fault_tolerance.lighthouse import start_lighthouse
+    from lightning_parallel.fault_tolerance.replicas import ft_environment
+
+    ft, per_group = _options(cfg)
+    hydra = HydraConfig.get()
+    run_dir = Path(hydra.runtime.output_dir)
+    overrides = [o for o in hydra.overrides.task if not o.lstrip("+").startswith(("trainer.devices=", "hydra."))]
+    lighthouse = start_lighthouse(min_replicas=ft.min_replicas, join_timeout_ms=10000, heartbeat_timeout_ms=3000)
+    print(f"lp-train: lighthouse at {lighthouse.address()}; {ft.replicas} replica groups of {per_group} "
+          f"process(es), each restarted up to {ft.max_restarts} times; their runs: {run_dir}/group<g>", flush=True)
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum and vote at info
+
+    def start(group: _GroupProcess) -> None:
+        env = {**os.environ, **ft_environment(group.index, ft.replicas, lighthouse.address()),
+               "LP_FT_INCARNATION": str(group.restarts)}
+        command = [sys.executable, "-m", "lightning_parallel.cli.train", *overrides, f"trainer.devices={per_group}",
+                   f"hydra.run.dir='{run_dir / f'group{group.index}'}'"]
+        group.process = subprocess.Popen(command, env=env, cwd=hydra.runtime.cwd)
+
+    groups = [_GroupProcess(g) for g in range(ft.replicas)]
+    try:
+        for group in groups:
+            start(group)
+        _watch(groups, ft.max_restarts, start)
+    finally:
+        for group in groups:
+            if group.process is not None and group.process.poll() is None:
+                group.process.kill()
+        lighthouse.shutdown()
+    return 0
+
+
+def _watch(groups: list[_GroupProcess], max_restarts: int, start: Any) -> None:
+    """Until every group has exited 0: restart a failed one (after 5 s, so the others notice its loss first)."""
+    while True:
+        for group in groups:
+            if group.restart_at is not None and time.monotonic() >= group.restart_at:
+                group.restart_at = None
+                start(group)
+            code = group.process.poll() if group.restart_at is None else None
+            if code in (None, 0):
+                continue
+            if group.restarts >= max_restarts:
+                raise RuntimeError(f"replica group {group.index} exited with code {code} after {group.restarts} "
+                                   f"restart(s) (fault_tolerance.max_restarts={max_restarts}); see its run folder.")
+            group.restarts += 1
+            print(f"lp-train: replica group {group.index} exited with code {code}; the others train on; restarting "
+                  f"it ({group.restarts}/{max_restarts}) in 5 s", file=sys.stderr, flush=True)
+            group.restart_at = time.monotonic() + 5.0
+        if all(g.restart_at is None and g.process.poll() == 0 for g in groups):
+            return
+        time.sleep(0.2)
