@@ -2,7 +2,9 @@
 ``lp-train`` (with its share of ``trainer.devices``), restarted when it fails while the others train on.
 
 What a cluster does with ``torchft_lighthouse`` and one ``torchrun --max-restarts`` per group
-(docs/fault-tolerance.md), in one command. Each group writes its own run folder, ``<run dir>/group<g>``.
+(docs/fault-tolerance.md), in one command. Each group writes its own run folder, ``<run dir>/group<g>``, and
+each restart a new one, ``group<g>-restart<k>`` (a run folder holds one run; the restart heals from the other
+groups, not from a checkpoint).
 """
 
 from __future__ import annotations
@@ -69,14 +71,15 @@ def supervise(cfg: DictConfig) -> int:
     overrides = [o for o in hydra.overrides.task if not o.lstrip("+").startswith(("trainer.devices=", "hydra."))]
     lighthouse = start_lighthouse(min_replicas=ft.min_replicas, join_timeout_ms=10000, heartbeat_timeout_ms=3000)
     print(f"lp-train: lighthouse at {lighthouse.address()}; {ft.replicas} replica groups of {per_group} "
-          f"process(es), each restarted up to {ft.max_restarts} times; their runs: {run_dir}/group<g>", flush=True)
+          f"process(es), each restarted up to {ft.max_restarts} times; their runs: {run_dir}/group<g>[-restart<k>]", flush=True)
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum and vote at info
 
     def start(group: _GroupProcess) -> None:
         env = {**os.environ, **ft_environment(group.index, ft.replicas, lighthouse.address()),
                "LP_FT_INCARNATION": str(group.restarts)}
+        folder = run_dir / (f"group{group.index}" + (f"-restart{group.restarts}" if group.restarts else ""))
         command = [sys.executable, "-m", "lightning_parallel.cli.train", *overrides, f"trainer.devices={per_group}",
-                   f"hydra.run.dir='{run_dir / f'group{group.index}'}'"]
+                   f"hydra.run.dir='{folder}'"]
         group.process = subprocess.Popen(command, env=env, cwd=hydra.runtime.cwd)
 
     groups = [_GroupProcess(g) for g in range(ft.replicas)]

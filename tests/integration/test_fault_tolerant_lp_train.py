@@ -30,6 +30,6 @@ def test_lp_train_restarts_a_lost_replica_group_which_heals_from_the_other(tmp_p
     assert "lp-train: lighthouse at" in output
     assert "replica group 1 exited with code" in output and "restarting it (1/3)" in output
     assert "[replica group 1] recovered step" in output
-    for group in (0, 1):
-        metrics = json.loads((tmp_path / f"group{group}" / "metrics.json").read_text())
-        assert metrics, group
+    for folder in ("group0", "group1-restart1"):  # the restarted group runs in a folder of its own
+        summary = json.loads((tmp_path / folder / "metrics.json").read_text())
+        assert summary, folder
