@@ -71,7 +71,8 @@ def supervise(cfg: DictConfig) -> int:
     overrides = [o for o in hydra.overrides.task if not o.lstrip("+").startswith(("trainer.devices=", "hydra."))]
     lighthouse = start_lighthouse(min_replicas=ft.min_replicas, join_timeout_ms=10000, heartbeat_timeout_ms=3000)
     print(f"lp-train: lighthouse at {lighthouse.address()}; {ft.replicas} replica groups of {per_group} "
-          f"process(es), each restarted up to {ft.max_restarts} times; their runs: {run_dir}/group<g>[-restart<k>]", flush=True)
+          f"process(es), each restarted up to {ft.max_restarts} times; their runs: {run_dir}/group<g>[-restart<k>]",
+          flush=True)
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum and vote at info
 
     def start(group: _GroupProcess) -> None:

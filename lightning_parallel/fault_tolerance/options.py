@@ -43,6 +43,10 @@ class FaultTolerance:
             proportional, ``sqrt``, ``none``), as :mod:`lightning_parallel.scaling` rescales for a data-parallel size.
         timeout: seconds for a cross-replica collective, a commit vote or a recovery transfer.
         quorum_timeout: seconds to wait for a quorum before the run stops with an error.
+        group_timeout: seconds the ranks of a group wait for each other before each quorum. A rank that hangs
+            (rather than dies) keeps its group's manager heartbeating, and torchft's lighthouse forms no quorum
+            without a majority of the heartbeating groups, so a hung group must fail first: shorter than
+            ``quorum_timeout``.
         connect_timeout: seconds to reach the lighthouse before the run stops with an error.
         max_restarts: how often ``lp-train`` restarts a failed group on one node (a cluster's ``torchrun
             --max-restarts`` does it there).
@@ -61,6 +65,7 @@ class FaultTolerance:
     lr_rule: str = "linear"
     timeout: float = 60.0
     quorum_timeout: float = 120.0
+    group_timeout: float = 30.0
     connect_timeout: float = 10.0
     startup_wait: float = 60.0
     max_restarts: int = 3
@@ -76,9 +81,15 @@ class FaultTolerance:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"fault_tolerance.{name}={value!r} must be a positive integer.")
-        for name in ("timeout", "quorum_timeout", "connect_timeout", "outer_lr", "startup_wait"):
+        for name in ("timeout", "quorum_timeout", "group_timeout", "connect_timeout", "outer_lr",
+                     "startup_wait"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
                 raise ValueError(f"fault_tolerance.{name}={getattr(self, name)!r} must be a positive number.")
+
+        if self.group_timeout >= self.quorum_timeout:
+            raise ValueError(f"fault_tolerance.group_timeout={self.group_timeout:g} must be shorter than "
+                             f"quorum_timeout={self.quorum_timeout:g}: a group with a hung rank must fail before the "
+                             f"others give up waiting for a quorum.")
 
     @classmethod
     def from_config(cls, value: Any) -> Optional[FaultTolerance]:

@@ -48,6 +48,7 @@ class ReplicaGroups:
         self.options = options
         self.manager: Any = None
         self.process_group: Any = None
+        self._liveness_group: Any = None
         self.participants = 0
         self.failed_commits = 0
         self._need_quorum = True
@@ -94,6 +95,9 @@ class ReplicaGroups:
         state_dict, load_state_dict = state_functions(
             strategy.lightning_module, lambda: optimizers, lambda: [c.scheduler for c in trainer.lr_scheduler_configs],
             lambda: self._position, self._on_recovered)
+        if strategy.world_size > 1:  # monitored_barrier is gloo's: a CPU group for it when the group trains on NCCL
+            dist, cuda = torch.distributed, strategy.root_device.type == "cuda"
+            self._liveness_group = dist.new_group(backend="gloo") if cuda else dist.group.WORLD
         env = strategy.cluster_environment
         # Synchronous quorum: a group that heals takes part in the same step, so no batch is read in vain.
         self.manager = torchft.Manager(
@@ -173,6 +177,7 @@ class ReplicaGroups:
     # --- internals -------------------------------------------------------------------------
     def _quorum(self) -> None:
         o, started = self.resolved, time.perf_counter()
+        self._check_group_alive()
         try:
             self.manager.start_quorum()
         except TimeoutError as error:
@@ -194,6 +199,19 @@ class ReplicaGroups:
                       f"global batch x{participants / o.replicas:g}, learning rate x{factor:.4g} ({o.lr_rule}); "
                       f"replica-batches not trained so far: {max(skipped, 0)}")
             self.participants = participants
+
+    def _check_group_alive(self) -> None:
+        """Every rank of this group reached the step boundary within ``group_timeout``, or this rank fails (and the
+        group is restarted): see ``FaultTolerance.group_timeout`` for why a hung rank must not wait longer."""
+        if self._liveness_group is None:
+            return
+        timeout = timedelta(seconds=self.resolved.group_timeout)
+        try:
+            torch.distributed.monitored_barrier(group=self._liveness_group, timeout=timeout)
+        except RuntimeError as error:
+            raise RuntimeError(f"fault_tolerance: a rank of replica group {self.resolved.replica_id} did not reach "
+                               f"step {self.manager.current_step()} within group_timeout={timeout.total_seconds():g} "
+                               f"s ({error}); this group stops so the others can go on without it.") from error
 
     def _wait_for_all_groups(self, participants: int) -> int:
         """A fresh start waits (``startup_wait``) for every group, so step 0 is not taken by whichever group

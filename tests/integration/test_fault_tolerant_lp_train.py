@@ -17,7 +17,8 @@ RUN = ["model=gpt_tiny", "trainer=cpu_test", "data.seq_len=32", "data.batch_size
        "trainer.enable_progress_bar=false", "strategy=pipeline", "strategy.schedule=gpipe", "strategy.microbatches=2",
        "trainer.devices=4", "trainer.max_steps=16", "trainer.max_epochs=-1", "logger=none",
        "+strategy.fault_tolerance.replicas=2", "+strategy.fault_tolerance.timeout=20",
-       "+callbacks.faults._target_=lightning_parallel.testing.faults.FaultInjection", "+callbacks.faults.fail_at=[1:0:4]",
+       "+callbacks.faults._target_=lightning_parallel.testing.faults.FaultInjection",
+       "+callbacks.faults.fail_at=[1:0:4]",
        "+callbacks.hold._target_=lightning_parallel.testing.faults.HoldWhileDegraded"]
 
 

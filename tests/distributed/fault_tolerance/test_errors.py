@@ -26,7 +26,8 @@ def test_a_quorum_that_cannot_form_is_an_error_within_the_quorum_timeout(tmp_pat
 
     lighthouse = start_lighthouse(min_replicas=2)  # a second group never comes
     try:
-        ft = {"replicas": 2, "replica_id": 0, "lighthouse": lighthouse.address(), "quorum_timeout": 3}
+        ft = {"replicas": 2, "replica_id": 0, "lighthouse": lighthouse.address(), "quorum_timeout": 3,
+              "group_timeout": 1}
         started = time.monotonic()
         with pytest.raises(DistributedRunError, match="no quorum of 1 replica group.* formed within 3 s"):
             run_processes(replica_rank, 1, "one", 2, (), ft, str(tmp_path), timeout=120)
