@@ -70,6 +70,7 @@ def make_strategy(kind: str, world: int, args: dict) -> tuple[Any, int]:
 
     from lightning_parallel.strategies import (
         DeepSpeedDataParallelStrategy,
+        HybridParallelStrategy,
         PipelineParallelStrategy,
         TensorParallelStrategy,
     )
@@ -84,10 +85,13 @@ def make_strategy(kind: str, world: int, args: dict) -> tuple[Any, int]:
         return TensorParallelStrategy(**args), 1
     if kind == "deepspeed":
         return DeepSpeedDataParallelStrategy(**args), world
+    if kind == "hybrid":  # the suite's data axis (FSDP2: replicated for ZeRO 0, sharded for 2/3)
+        return HybridParallelStrategy(**args), int(args.get("data_parallel_size", world))
     if kind == "lightning_model_parallel":
         return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=world), 1
     raise ValueError(
-        f"Unknown strategy kind {kind!r}: use single, ddp, pipeline, tensor, deepspeed or lightning_model_parallel."
+        f"Unknown strategy kind {kind!r}: use single, ddp, pipeline, tensor, hybrid, deepspeed or "
+        "lightning_model_parallel."
     )
 
 

@@ -184,6 +184,33 @@ class RawTensor(RawLoop):
         super()._build(strategy)
 
 
+class RawFSDP2(RawLoop):
+    """FSDP2 (``fully_shard``) on every pipeline layer, then the root, over a 1-D data mesh: torchtitan's
+    data-parallel recipe and what the hybrid strategy's ZeRO-2/3 data axis builds.
+
+    Args:
+        model: the seeded model.
+        rank: global rank.
+        world_size: number of ranks.
+        reshard_after_forward: True for ZeRO-3 (parameters sharded between uses), False for ZeRO-2.
+    """
+
+    def __init__(self, model: nn.Module, rank: int, world_size: int, reshard_after_forward: bool = True) -> None:
+        super().__init__(model, rank, world_size)
+        self.reshard_after_forward = reshard_after_forward
+
+    def _build(self, strategy: Any) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("data_parallel",))
+        for layer in self.model.pipeline_layers():
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(self.model, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        super()._build(strategy)
+
+
 class RawPipeline(RawLoop):
     """``split_module`` + ``PipelineRunner`` (torch.distributed.pipelining's schedule), same partition and schedule.
 
@@ -326,6 +353,7 @@ class DeepSpeedPipeline(RawLoop):
 RAW_LOOPS: dict[str, Callable[..., RawLoop]] = {
     "single": RawSingle,
     "ddp": RawDDP,
+    "fsdp2": RawFSDP2,
     "tensor": RawTensor,
     "pipeline": RawPipeline,
     "deepspeed": RawDeepSpeed,
