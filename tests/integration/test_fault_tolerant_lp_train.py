@@ -1,6 +1,7 @@
 """``lp-train`` with ``strategy.fault_tolerance`` on one node: it starts a lighthouse and two replica groups (one
-process each: the layouts inside a group are tests/distributed/fault_tolerance's), one group's rank is killed at step 4, lp-train restarts that group, it heals from the other, and the
-command ends with exit 0 and both groups' results."""
+process each: the layouts inside a group are tests/distributed/fault_tolerance's), one group's rank is killed at
+step 4, lp-train restarts that group, it heals from the other, and the command ends with exit 0 and both groups'
+results."""
 
 import json
 import os
@@ -15,7 +16,8 @@ pytestmark = pytest.mark.slow
 
 RUN = ["model=gpt_tiny", "trainer=cpu_test", "data.seq_len=32", "data.batch_size=4", "data.max_bytes=200000",
        "trainer.enable_progress_bar=false", "strategy=hybrid", "strategy.pipeline_parallel_size=1",
-       "strategy.tensor_parallel_size=1", "trainer.devices=2", "trainer.max_steps=12", "trainer.max_epochs=-1", "logger=none",
+       "strategy.tensor_parallel_size=1", "trainer.devices=2", "trainer.max_steps=12", "trainer.max_epochs=-1",
+       "logger=none",
        "+strategy.fault_tolerance.replicas=2", "+strategy.fault_tolerance.timeout=20",
        "+callbacks.faults._target_=lightning_parallel.testing.faults.FaultInjection",
        "+callbacks.faults.fail_at=[1:0:4]",
