@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_parallel.fault_tolerance.data_position import skip_batches
 from lightning_parallel.fault_tolerance.lighthouse import check_reachable, require_torchft
+from lightning_parallel.fault_tolerance.local_sgd import average_parameters
 from lightning_parallel.fault_tolerance.options import FaultTolerance
 from lightning_parallel.fault_tolerance.replica_state import local, state_functions
 from lightning_parallel.scaling import lr_factor
@@ -42,9 +43,10 @@ class ReplicaGroups:
     """
 
     def __init__(self, options: FaultTolerance) -> None:
-        if options.mode != "ddp":
-            raise ValueError(f"fault_tolerance.mode={options.mode!r} is not built yet: use mode=ddp (per-step "
-                             f"gradient averaging across replica groups); see docs/fault-tolerance.md.")
+        if options.mode == "diloco":
+            raise ValueError("fault_tolerance.mode='diloco' is not built yet: use mode=ddp (per-step gradient "
+                             "averaging) or mode=local_sgd (parameters averaged every sync_every steps); see "
+                             "docs/fault-tolerance.md.")
         self.options = options
         self.manager: Any = None
         self.process_group: Any = None
@@ -53,10 +55,13 @@ class ReplicaGroups:
         self.failed_commits = 0
         self._need_quorum = True
         self._committed = True
-        self._position = {"epoch": 0, "batch": 0}
+        self._position = {"epoch": 0, "batch": 0, "step": 0}
+        self._local_sgd = options.mode == "local_sgd"
         self._recovered: Optional[dict[str, int]] = None
         self._skip_batches = 0
         self._trainer: Any = None
+        self._module: Any = None
+        self._recovered_now = False
         self._started = False
         self._planned_lr: Optional[tuple[Optimizer, list[float]]] = None
 
@@ -107,6 +112,12 @@ class ReplicaGroups:
             world_size=strategy.world_size, store_addr=env.main_address, store_port=env.main_port,
             lighthouse_addr=o.lighthouse, replica_id=f"replica_{o.replica_id}", init_sync=True)
         self._quorum()  # the first step's quorum, before the training loader exists (see process_dataloader)
+        if self._local_sgd and self._recovered_now and trainer.global_step > 0:
+            self._sync_parameters(contributes=False)  # healed at the others' meeting: join its average, uncounted
+        elif self._local_sgd:
+            # A fresh start commits its quorum at once: the manager's step then counts meetings from 1, so the
+            # first meeting does not take every group for a new one (torchft heals every group at step 0).
+            self.manager.should_commit()
 
     def close(self) -> None:
         """Stop the manager (its server and checkpoint transport)."""
@@ -120,8 +131,9 @@ class ReplicaGroups:
         if self._trainer is None:
             return
         self._started = True
-        self._position = {"epoch": int(self._trainer.current_epoch), "batch": int(batch_idx)}
-        if self._need_quorum:
+        self._position = {"epoch": int(self._trainer.current_epoch), "batch": int(batch_idx),
+                          "step": int(self._trainer.global_step)}
+        if self._need_quorum and not self._local_sgd:
             self._quorum()
 
     def reduce_and_commit(self, module: nn.Module, optimizer: Optimizer) -> bool:
@@ -132,6 +144,9 @@ class ReplicaGroups:
             module: the trained module (this rank's share).
             optimizer: the torch optimizer about to step (:meth:`after_step` restores its planned learning rate).
         """
+        self._module = module
+        if self._local_sgd:  # each group steps on its own gradient; parameters meet every sync_every steps
+            return True
         params = [p for p in module.parameters() if p.requires_grad]
         average_gradients(self.manager, params)
         self._committed = bool(self.manager.should_commit())
@@ -162,7 +177,30 @@ class ReplicaGroups:
                 group["lr"] = lr
             self._planned_lr = None
         self._need_quorum = True
+        if self._local_sgd:
+            self._after_local_step()
+            return
         set_global_step(self._trainer, self.manager.current_step() - 1)
+
+    def _after_local_step(self) -> None:
+        """``local_sgd``: every ``sync_every`` steps a quorum and the parameter average (a restarted group that
+        waits at start-up joins here). The position a healing group takes is the next step's."""
+        step = int(self._trainer.global_step) + 1  # Lightning counts this step after we return
+        if step % self.options.sync_every:
+            return
+        self._position = {"epoch": int(self._trainer.current_epoch), "batch": self._position["batch"] + 1,
+                          "step": step}
+        self._quorum()
+        self._sync_parameters(contributes=True)
+
+    def _sync_parameters(self, contributes: bool) -> None:
+        module = self._module if self._module is not None else self._trainer.lightning_module
+        params = [p for p in module.parameters() if p.requires_grad]
+        self._committed = average_parameters(self.manager, params, contributes)
+        if not self._committed:
+            self.failed_commits += 1
+            self._say(f"the parameter average at step {self._position['step']} did not commit; every group keeps "
+                      f"its own parameters until the next one")
 
     # --- data ------------------------------------------------------------------------------
     def position_loader(self, loader: Any) -> Any:
@@ -189,16 +227,25 @@ class ReplicaGroups:
         participants = self.manager.num_participants()
         if not self._started and self.manager.current_step() == 0 and participants < o.replicas:
             participants = self._wait_for_all_groups(participants)
+        self._recovered_now = self._recovered is not None
         if self._recovered is not None:
             self._heal_loop_state(self._recovered, time.perf_counter() - started)
             self._recovered = None
         if participants != self.participants:
-            factor = lr_factor(o.lr_rule, max(participants, 1), o.replicas)
-            skipped = self.manager.current_step() * o.replicas - self.manager.batches_committed()
-            self._say(f"quorum of {participants}/{o.replicas} replica groups at step {self.manager.current_step()}: "
-                      f"global batch x{participants / o.replicas:g}, learning rate x{factor:.4g} ({o.lr_rule}); "
-                      f"replica-batches not trained so far: {max(skipped, 0)}")
+            self._say(self._quorum_line(participants))
             self.participants = participants
+
+    def _quorum_line(self, participants: int) -> str:
+        o, meetings = self.resolved, self.manager.current_step()
+        if self._local_sgd:
+            return (f"quorum of {participants}/{o.replicas} replica groups at meeting {meetings} (step "
+                    f"{self._position['step']}): parameters averaged over the groups taking part every "
+                    f"{o.sync_every} steps")
+        factor = lr_factor(o.lr_rule, max(participants, 1), o.replicas)
+        skipped = meetings * o.replicas - self.manager.batches_committed()
+        return (f"quorum of {participants}/{o.replicas} replica groups at step {meetings}: global batch "
+                f"x{participants / o.replicas:g}, learning rate x{factor:.4g} ({o.lr_rule}); replica-batches not "
+                f"trained so far: {max(skipped, 0)}")
 
     def _check_group_alive(self) -> None:
         """Every rank of this group reached the step boundary within ``group_timeout``, or this rank fails (and the
@@ -233,8 +280,9 @@ class ReplicaGroups:
         self._recovered = dict(position)  # applied by _quorum on the main thread, after the state is loaded
 
     def _heal_loop_state(self, position: dict[str, int], seconds: float) -> None:
-        trainer, step = self._trainer, self.manager.current_step()
-        set_global_step(trainer, step)
+        trainer, step = self._trainer, int(position.get("step", self.manager.current_step()))
+        # local_sgd heals inside a step's end, before Lightning counts that step
+        set_global_step(trainer, step - 1 if self._started and self._local_sgd else step)
         if self._started:  # a group that fell behind mid-run: its loader is already running and continues
             where = "this group's data position continues"
         else:  # at start-up the loader does not exist yet: it starts where the healthy groups are

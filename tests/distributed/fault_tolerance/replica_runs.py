@@ -110,3 +110,25 @@ def reference_run(records_by_group: list[list[dict[str, Any]]], replicas: int, l
         optimizer.step()
     return {k: v.detach() for k, v in model.state_dict().items()}, losses
 
+
+
+def local_sgd_reference(records_by_group: list[list[dict[str, Any]]], sync_every: int) -> dict[str, torch.Tensor]:
+    """Every group's model on its own recorded batches, parameters averaged every ``sync_every`` steps."""
+    models, optimizers = [], []
+    for _ in records_by_group:
+        pl.seed_everything(0, verbose=False)
+        models.append(ResidualMLP(width=WIDTH, depth=DEPTH, optimizer="adamw"))
+        optimizers.append(models[-1].configure_optimizers())
+    for step in range(len(records_by_group[0])):
+        for model, optimizer, records in zip(models, optimizers, records_by_group):
+            inputs, targets = records[step]["batch"]
+            optimizer.zero_grad()
+            F.mse_loss(model(inputs), targets).backward()
+            optimizer.step()
+        if (step + 1) % sync_every == 0:
+            with torch.no_grad():
+                for params in zip(*(m.parameters() for m in models)):
+                    mean = torch.stack([p for p in params]).mean(0)
+                    for p in params:
+                        p.copy_(mean)
+    return {k: v.detach() for k, v in models[0].state_dict().items()}

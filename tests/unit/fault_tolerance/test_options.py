@@ -40,11 +40,12 @@ def test_off_values_and_mappings() -> None:
     assert FaultTolerance.from_config({"replicas": 4}).replicas == 4
 
 
-def test_modes_other_than_ddp_are_refused_by_the_strategy_not_run_silently() -> None:
+def test_diloco_is_refused_by_the_strategy_not_run_silently() -> None:
     from lightning_parallel.strategies import HybridParallelStrategy
 
-    with pytest.raises(ValueError, match="mode=ddp"):
+    with pytest.raises(ValueError, match="mode=local_sgd"):
         HybridParallelStrategy(fault_tolerance={"mode": "diloco"})
+    assert HybridParallelStrategy(fault_tolerance={"mode": "local_sgd"}).replica_groups is not None
 
 
 @pytest.mark.parametrize(("rule", "expected"), [("linear", 0.5), ("sqrt", math.sqrt(0.5)), ("none", 1.0),
