@@ -34,11 +34,9 @@ class FaultTolerance:
         replica_id: this group's index in ``[0, replicas)``. Default: ``$REPLICA_GROUP_ID``.
         lighthouse: the lighthouse's address (``http://host:port``). Default: ``$TORCHFT_LIGHTHOUSE``.
         min_replicas: fewest replica groups a step may commit with.
-        mode: ``ddp`` (gradients averaged every step), ``local_sgd`` (parameters averaged every
-            ``sync_every`` steps) or ``diloco`` (an outer Nesterov step every ``sync_every`` steps).
-        sync_every: steps between synchronisations under ``local_sgd``/``diloco``.
-        outer_lr: DiLoCo's outer learning rate.
-        outer_momentum: DiLoCo's outer Nesterov momentum.
+        mode: ``ddp`` (gradients averaged every step) or ``local_sgd`` (parameters averaged every ``sync_every``
+            steps); ``diloco`` is named so that asking for it is refused with what exists, not built.
+        sync_every: steps between meetings under ``local_sgd``.
         lr_rule: how the learning rate follows the number of replica groups in a step (``linear``:
             proportional, ``sqrt``, ``none``), as :mod:`lightning_parallel.scaling` rescales for a data-parallel size.
         timeout: seconds for a cross-replica collective, a commit vote or a recovery transfer.
@@ -60,8 +58,6 @@ class FaultTolerance:
     min_replicas: int = 1
     mode: str = "ddp"
     sync_every: int = 20
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
     lr_rule: str = "linear"
     timeout: float = 60.0
     quorum_timeout: float = 120.0
@@ -81,8 +77,7 @@ class FaultTolerance:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"fault_tolerance.{name}={value!r} must be a positive integer.")
-        for name in ("timeout", "quorum_timeout", "group_timeout", "connect_timeout", "outer_lr",
-                     "startup_wait"):
+        for name in ("timeout", "quorum_timeout", "group_timeout", "connect_timeout", "startup_wait"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
                 raise ValueError(f"fault_tolerance.{name}={getattr(self, name)!r} must be a positive number.")
 
