@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lightning_parallel.fault_tolerance.flat_buffers import flatten_by_dtype, pieces
 from lightning_parallel.fault_tolerance.replica_state import local
 
 
@@ -32,25 +33,19 @@ def average_parameters(manager: Any, params: list[torch.Tensor], contributes: bo
     from torch.distributed import ReduceOp
 
     shards = [local(p.data) for p in params]
-    buckets: dict[torch.dtype, list[int]] = {}
-    for i, shard in enumerate(shards):
-        buckets.setdefault(shard.dtype, []).append(i)
+    buffers = flatten_by_dtype(shards)
     device = shards[0].device if shards else torch.device("cpu")
     count = torch.tensor([1.0 if contributes else 0.0], device=device)
-    flats = {dtype: torch.cat([shards[i].reshape(-1) for i in idx]) for dtype, idx in buckets.items()}
     if not contributes:
-        for flat in flats.values():
+        for _, flat in buffers.values():
             flat.zero_()
     works = [manager.allreduce(count, reduce_op=ReduceOp.SUM)]
-    works += [manager.allreduce(flat, reduce_op=ReduceOp.SUM) for flat in flats.values()]
+    works += [manager.allreduce(flat, reduce_op=ReduceOp.SUM) for _, flat in buffers.values()]
     for work in works:
         work.wait()
     if not manager.should_commit() or float(count) < 1:
         return False
-    for dtype, idx in buckets.items():
-        flat, offset = flats[dtype] / count.to(dtype), 0
-        for i in idx:
-            n = shards[i].numel()
-            shards[i].copy_(flat[offset:offset + n].view(shards[i].shape))
-            offset += n
+    for idx, flat in buffers.values():
+        for i, mean in zip(idx, pieces(flat / count.to(flat.dtype), [shards[i] for i in idx])):
+            shards[i].copy_(mean)
     return True

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
 MODES = ("ddp", "local_sgd", "diloco")
@@ -131,7 +131,7 @@ class FaultTolerance:
         if self.min_replicas > replicas:
             raise ValueError(f"fault_tolerance.min_replicas={self.min_replicas} exceeds replicas={replicas}: no "
                              f"quorum could ever form; lower min_replicas.")
-        return _replace(self, replicas=replicas, replica_id=replica_id, lighthouse=lighthouse)
+        return replace(self, replicas=replicas, replica_id=replica_id, lighthouse=lighthouse)
 
 
 def _env_int(env: Mapping[str, str], name: str, field: str) -> int:
@@ -143,9 +143,3 @@ def _env_int(env: Mapping[str, str], name: str, field: str) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"${name}={raw!r} must be an integer.") from None
-
-
-def _replace(options: FaultTolerance, **changes: Any) -> FaultTolerance:
-    from dataclasses import replace
-
-    return replace(options, **changes)

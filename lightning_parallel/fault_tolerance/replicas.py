@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+from functools import cached_property
 from typing import Any, Optional
 
 import torch
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_parallel.fault_tolerance.data_position import skip_batches
+from lightning_parallel.fault_tolerance.flat_buffers import flatten_by_dtype, pieces
 from lightning_parallel.fault_tolerance.lighthouse import check_reachable, require_torchft
 from lightning_parallel.fault_tolerance.local_sgd import average_parameters
 from lightning_parallel.fault_tolerance.options import FaultTolerance
@@ -65,9 +67,10 @@ class ReplicaGroups:
         self._started = False
         self._planned_lr: Optional[tuple[Optimizer, list[float]]] = None
 
-    @property
+    @cached_property
     def resolved(self) -> FaultTolerance:
-        """The options with replica group, group count and lighthouse filled from the environment."""
+        """The options with replica group, group count and lighthouse filled from the environment (read once: the
+        quorum, the learning-rate factor and every log line use it each step)."""
         return self.options.resolved()
 
     def sampler_kwargs(self, inner: dict[str, int]) -> dict[str, int]:
@@ -303,24 +306,14 @@ def average_gradients(manager: Any, params: list[torch.Tensor]) -> None:
     it heals) is rebuilt, and one absent everywhere stays ``None`` as the optimizer expects.
     """
     grads = [local(p.grad) if p.grad is not None else None for p in params]
-    shapes = [local(p.data).shape for p in params]
-    dtypes = [g.dtype if g is not None else p.dtype for p, g in zip(params, grads)]
-    device = local(params[0].data).device if params else torch.device("cpu")
+    filled = [g if g is not None else torch.zeros_like(local(p.data)) for p, g in zip(params, grads)]
+    device = filled[0].device if filled else torch.device("cpu")
     present = torch.tensor([0.0 if g is None else 1.0 for g in grads], device=device)
-    buckets: dict[torch.dtype, list[int]] = {}
-    for i, dtype in enumerate(dtypes):
-        buckets.setdefault(dtype, []).append(i)
-    flats = {dtype: torch.cat([(grads[i] if grads[i] is not None else torch.zeros(shapes[i], dtype=dtype,
-                                                                                   device=device)).reshape(-1)
-                               for i in idx]) for dtype, idx in buckets.items()}
-    for work in [manager.allreduce(present)] + [manager.allreduce(flat) for flat in flats.values()]:
+    buffers = flatten_by_dtype(filled)
+    for work in [manager.allreduce(present)] + [manager.allreduce(flat) for _, flat in buffers.values()]:
         work.wait()
-    for dtype, idx in buckets.items():
-        offset = 0
-        for i in idx:
-            n = shapes[i].numel()
-            chunk = flats[dtype][offset:offset + n].view(shapes[i])
-            offset += n
+    for idx, flat in buffers.values():
+        for i, chunk in zip(idx, pieces(flat, [filled[i] for i in idx])):
             if present[i] == 0:
                 params[i].grad = None
             elif grads[i] is not None:
