@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_parallel.cli.preflight import ConfigError
 from lightning_parallel.fault_tolerance.options import ENV_REPLICA_GROUP, FaultTolerance
+from lightning_parallel.runtime import signals
 
 
 def supervises(cfg: DictConfig) -> bool:
@@ -58,7 +59,8 @@ def supervise(cfg: DictConfig) -> int:
     """Start the lighthouse and the groups; restart a failed group up to ``fault_tolerance.max_restarts`` times.
 
     Returns:
-        0 when every group finished; raises ``RuntimeError`` when one failed more often than allowed.
+        0 when the groups finished (or stopped on SIGINT/SIGTERM, which ``signals.stop_requested()`` then tells);
+        raises ``RuntimeError`` when one failed more often than allowed.
     """
     from hydra.core.hydra_config import HydraConfig
 
@@ -81,9 +83,16 @@ def supervise(cfg: DictConfig) -> int:
         folder = run_dir / (f"group{group.index}" + (f"-restart{group.restarts}" if group.restarts else ""))
         command = [sys.executable, "-m", "lightning_parallel.cli.train", *overrides, f"trainer.devices={per_group}",
                    f"hydra.run.dir='{folder}'"]
-        group.process = subprocess.Popen(command, env=env, cwd=hydra.runtime.cwd)
+        # Own session, as lp-train's local ranks: a terminal's Ctrl-C reaches this supervisor only, which forwards
+        # it once to every group (runtime/signals.py: each group saves last-stop.ckpt after its current step).
+        group.process = subprocess.Popen(command, env=env, cwd=hydra.runtime.cwd, start_new_session=True)
+        if shutdown is not None:
+            shutdown.children = [g.process for g in groups if g.process is not None]
 
     groups = [_GroupProcess(g) for g in range(ft.replicas)]
+    shutdown = signals.current()
+    if shutdown is not None:
+        shutdown.step_finished = True  # nothing to save here; the groups save theirs, so wait for them on a stop
     try:
         for group in groups:
             start(group)
@@ -97,14 +106,21 @@ def supervise(cfg: DictConfig) -> int:
 
 
 def _watch(groups: list[_GroupProcess], max_restarts: int, start: Any) -> None:
-    """Until every group has exited 0: restart a failed one (after 5 s, so the others notice its loss first)."""
+    """Until every group has exited: restart a failed one (after 5 s, so the others notice its loss first) -- unless
+    another group has already finished, when the run is complete and a restart would only train from scratch alone
+    (seen: a group restarted after its peer's last step waited for peers and then started over from step 0)."""
     while True:
+        finished = [g.index for g in groups if g.restart_at is None and g.process.poll() == 0]
         for group in groups:
-            if group.restart_at is not None and time.monotonic() >= group.restart_at:
+            if group.restart_at is not None and (finished or signals.stop_requested()):
+                group.restart_at = None
+                why = f"group {finished[0]} finished training" if finished else "the run is stopping"
+                print(f"lp-train: replica group {group.index} is not restarted: {why}", file=sys.stderr, flush=True)
+            elif group.restart_at is not None and time.monotonic() >= group.restart_at:
                 group.restart_at = None
                 start(group)
             code = group.process.poll() if group.restart_at is None else None
-            if code in (None, 0):
+            if code in (None, 0) or finished or signals.stop_requested():
                 continue
             if group.restarts >= max_restarts:
                 raise RuntimeError(f"replica group {group.index} exited with code {code} after {group.restarts} "
@@ -113,6 +129,7 @@ def _watch(groups: list[_GroupProcess], max_restarts: int, start: Any) -> None:
             print(f"lp-train: replica group {group.index} exited with code {code}; the others train on; restarting "
                   f"it ({group.restarts}/{max_restarts}) in 5 s", file=sys.stderr, flush=True)
             group.restart_at = time.monotonic() + 5.0
-        if all(g.restart_at is None and g.process.poll() == 0 for g in groups):
+        done = all(g.restart_at is None and g.process.poll() is not None for g in groups)
+        if done and (finished or signals.stop_requested()):
             return
         time.sleep(0.2)

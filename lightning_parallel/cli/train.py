@@ -276,6 +276,9 @@ def run(cfg: DictConfig) -> Optional[float]:
 
     if supervises(cfg):  # strategy.fault_tolerance on one node: start the replica groups, each its own lp-train
         supervise(cfg)
+        if signals.stop_requested():  # the groups saved and left; so does the supervisor, with their exit code
+            logging.shutdown()
+            os._exit(signals.INTERRUPTED_EXIT_CODE)
         return None
     run_ = prepare_run(cfg)
     prepared = (run_.strategy, run_.layout)
