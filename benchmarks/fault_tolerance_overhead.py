@@ -11,6 +11,8 @@ batch and the same data, one process per rank over gloo, through Lightning's ``T
   the commit vote every step);
 * ``data 2 x pipeline 2`` on 4 processes against ``2 groups x pipeline 2``.
 
+Peak memory: each rank's peak resident set (``getrusage``), the largest over ranks and rounds.
+
 Step time: ``on_train_batch_start`` to ``on_train_batch_end`` on rank 0 (the quorum is taken inside the step, so it
 counts), the median over the timed steps; the two designs of a pair alternate within each round and the ratio is of
 the medians over all rounds. Nothing fails here: this is the price of being able to survive a failure.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import time
 from datetime import date
@@ -59,7 +62,7 @@ class StepTimes(Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
-def timed_rank(rank: int, world_size: int, options: dict, steps: int, ft: Any) -> list[float]:
+def timed_rank(rank: int, world_size: int, options: dict, steps: int, ft: Any) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     timer = StepTimes()
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, max_steps=steps, callbacks=[timer],
@@ -68,31 +71,36 @@ def timed_rank(rank: int, world_size: int, options: dict, steps: int, ft: Any) -
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
     model = ResidualMLP(width=WIDTH, depth=DEPTH, optimizer="adamw")
     trainer.fit(model, datamodule=FixedOrderData(regression_dataset(4096, WIDTH), BATCH))
-    return timer.times
+    # Peak resident memory of this rank's process (Linux: KiB), torchft's manager threads and servers included.
+    return {"times": timer.times, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def measure(settings: dict) -> list[dict]:
     times: dict[str, list[float]] = {}
+    peaks: dict[str, float] = {}
     for _ in range(settings["rounds"]):
         for name, (options, world, group_options, group_size) in PAIRS.items():
-            fixed = run_processes(timed_rank, world, options, settings["steps"], None, timeout=600)[0]
-            groups = run_replica_groups(timed_rank, 2, group_size, group_options, settings["steps"],
-                                        {"timeout": 30}, timeout=600).outputs[0][0]
-            times.setdefault(name, []).extend(fixed[settings["warmup"]:])
-            times.setdefault(f"{name} ft", []).extend(groups[settings["warmup"]:])
+            fixed = run_processes(timed_rank, world, options, settings["steps"], None, timeout=600)
+            groups = [out for group in run_replica_groups(timed_rank, 2, group_size, group_options, settings["steps"],
+                                                          {"timeout": 30}, timeout=600).outputs for out in group]
+            times.setdefault(name, []).extend(fixed[0]["times"][settings["warmup"]:])
+            times.setdefault(f"{name} ft", []).extend(groups[0]["times"][settings["warmup"]:])
+            peaks[name] = max(peaks.get(name, 0.0), *(r["peak_rss_mib"] for r in fixed))
+            peaks[f"{name} ft"] = max(peaks.get(f"{name} ft", 0.0), *(r["peak_rss_mib"] for r in groups))
     rows = []
     for name in PAIRS:
         base, ft = statistics.median(times[name]), statistics.median(times[f"{name} ft"])
         rows.append({"layout": name, "fixed_ms": base * 1e3, "fault_tolerant_ms": ft * 1e3, "ratio": ft / base,
-                     "added_ms": (ft - base) * 1e3, "steps": len(times[name])})
+                     "added_ms": (ft - base) * 1e3, "steps": len(times[name]), "peak_rss_mib": peaks[name],
+                     "fault_tolerant_peak_rss_mib": peaks[f"{name} ft"]})
     return rows
 
 
 def render(rows: list[dict]) -> str:
-    lines = ["| layout | fixed group (ms) | 2 replica groups, torchft (ms) | ratio | added per step (ms) |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| layout | fixed group (ms) | 2 replica groups, torchft (ms) | ratio | added per step (ms) | "
+             "peak RSS per rank, fixed / torchft (MiB) |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['layout']} | {r['fixed_ms']:.2f} | {r['fault_tolerant_ms']:.2f} | {r['ratio']:.3f} | "
-              f"{r['added_ms']:.2f} |" for r in rows]
+              f"{r['added_ms']:.2f} | {r['peak_rss_mib']:.0f} / {r['fault_tolerant_peak_rss_mib']:.0f} |" for r in rows]
     return "\n".join(lines)
 
 
