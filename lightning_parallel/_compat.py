@@ -129,6 +129,17 @@ _EPOCH_LOOP_PROGRESS = {
 }
 
 
+def drop_per_step_sigterm_broadcast(trainer: pl.Trainer) -> None:
+    """Stop Lightning's training loop broadcasting rank 0's SIGTERM flag before every step (``_TrainingEpochLoop.
+    _broadcast_sigterm_tensor``): a collective per step that a raw loop does not have. Only for a trainer whose
+    SIGTERM the suite's handlers took (:class:`~lightning_parallel.callbacks.GracefulStop`): Lightning's flag is
+    then never set, and the suite's own agreement carries the stop, every ``agree_every_s`` seconds.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    if hasattr(loop, "_broadcast_sigterm_tensor"):
+        loop._broadcast_sigterm_tensor = lambda: None
+
+
 def fit_loop_state(checkpoint: dict[str, Any]) -> Optional[dict[str, Any]]:
     """The fit loop's entry of a Lightning checkpoint dict (``checkpoint["loops"]["fit_loop"]``), or None."""
     return checkpoint.get("loops", {}).get("fit_loop")

@@ -264,10 +264,11 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
         total, count = self.pipeline_loss_terms(self(inputs), targets)
         if hasattr(total, "full_tensor"):  # a replicated DTensor under loss parallelism
             total = total.full_tensor()
-        strategy = self.trainer.strategy
-        loss = total / strategy.reduce(count.float(), reduce_op="mean")
-        mean = strategy.reduce(loss.detach().clone(), reduce_op="mean")
-        return loss + (mean - loss.detach())
+        # One all-reduce for both means: the per-rank token count (the weighting) and the token-loss sum (the logged
+        # value, mean_r(total_r / c) = mean_r(total_r) / c), not one for each.
+        means = self.trainer.strategy.reduce(torch.stack([count.float(), total.detach().float()]), reduce_op="mean")
+        loss = total / means[0].to(total.dtype)
+        return loss + ((means[1] / means[0]).to(loss.dtype) - loss.detach())
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         blocks = moe_blocks(self)

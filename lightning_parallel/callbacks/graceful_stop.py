@@ -8,7 +8,9 @@ leave ``fit`` normally, without the validation Lightning runs when training is s
 The agreement is a collective a raw training loop does not have. It runs after each of the first
 :data:`PROBE_STEPS` steps, whose slowest step time the ranks agree on with it; from then on every
 ``interval`` steps, ``interval`` being the steps that take ``agree_every_s`` seconds (at least 1): a
-stop is seen within about that long, and a fast step pays no collective of its own.
+stop is seen within about that long, and a fast step pays no collective of its own. It replaces the one
+Lightning's loop runs before every step (a broadcast of rank 0's SIGTERM flag, dropped while this callback's
+signal handlers hold SIGTERM), so a steady step under ``lp-train`` runs only the model's collectives.
 
 Note:
     The name is not ``last.ckpt``: a ``ModelCheckpoint(save_last=True)`` that finds a ``last.ckpt``
@@ -26,6 +28,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from lightning_parallel import _compat
 from lightning_parallel.runtime import signals
 
 PROBE_STEPS = 3  # steps after which the ranks agree on each, timing them, before the interval is set
@@ -53,8 +56,10 @@ class GracefulStop(pl.Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning's SIGTERM handler broadcasts from inside the handler (a collective at a random
-        # point of one rank's program); the suite's handlers take SIGTERM back.
+        # point of one rank's program); the suite's handlers take SIGTERM back, so Lightning's flag is never set
+        # and its per-step broadcast of that flag is a collective for nothing: dropped (the agreement here stands in).
         signals.take_handlers()
+        _compat.drop_per_step_sigterm_broadcast(trainer)
 
     def _any_rank_asked(self, trainer: pl.Trainer) -> bool:
         """At an agreed step: whether any rank was asked to stop (during the probe steps also the slowest step)."""

@@ -52,11 +52,11 @@ from __future__ import annotations
 import fnmatch
 import functools
 from collections.abc import Iterable, Sequence
-from typing import Any, Callable, Union
+from typing import Any, Union
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from lightning_parallel.parallel.pipeline.stages import RemovedLayer
 
@@ -248,20 +248,21 @@ def is_checkpointed(module: nn.Module) -> bool:
 class _Checkpointed:
     """Marker base of the swapped classes (their ``forward`` is built by :func:`_checkpointed_class`)."""
 
-    checkpoint_context: Callable[[], tuple[Any, Any]] = noop_context_fn
-
 
 @functools.lru_cache(maxsize=None)
 def _checkpointed_class(cls: type, selective: bool) -> type:
     """``cls`` with a ``forward`` that runs the original under non-reentrant checkpointing (one class per pair)."""
     original = cls.forward
 
+    # The context function is passed only for selective checkpointing, and from this closure: torch.compile traces
+    # checkpoint's context_fn only as a plain function it can see (a class attribute reaches it unresolved, and
+    # dynamo refuses it), and the no-op default needs none.
+    extra = {"context_fn": selective_context} if selective else {}
+
     @functools.wraps(original)  # keeps the signature: pipeline stages pass each layer the keywords it accepts
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         run = functools.partial(original, self)
-        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=type(self).checkpoint_context, **kwargs)
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
-    context = staticmethod(selective_context if selective else noop_context_fn)
     prefix = "SelectiveCheckpointed" if selective else "Checkpointed"
-    return type(f"{prefix}{cls.__name__}", (_Checkpointed, cls), {"forward": forward, "checkpoint_context": context})
+    return type(f"{prefix}{cls.__name__}", (_Checkpointed, cls), {"forward": forward})

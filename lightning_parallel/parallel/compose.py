@@ -16,7 +16,8 @@ tensor layout, in torchtitan's order:
    -- makes this rank's layers (or the submodules a glob list names) recompute their
    forward in backward: after TP, so recomputation runs the sharded layer and its
    collectives; before FSDP2, so FSDP2's units stay the layers and gather their
-   parameters around the recomputation as around the forward;
+   parameters around the recomputation as around the forward; then ``compile``
+   (:mod:`.compile`): ``torch.compile`` per layer, over what TP and checkpointing made;
 4. **mixed-precision policy** (:mod:`.precision`) -- FSDP2's ``MixedPrecisionPolicy``
    from the Trainer's precision and ``param_dtype``/``reduce_dtype``, handed to step 5:
    bf16 all-gathered parameters under ``bf16-mixed`` and fp32 gradient reduce-scatter, but
@@ -25,7 +26,9 @@ tensor layout, in torchtitan's order:
 5. **data axis** -- FSDP2 ``fully_shard`` per layer and per root (:mod:`.data`): sharded
    for ``zero_stage`` 2/3 (HSDP on a ``(data_replicate, data_shard)`` mesh), replicated for
    ``zero_stage=0`` with data parallelism (shard groups of one rank), so gradients are
-   reduced during backward, layer by layer; last, as it wraps what steps 2-4 made.
+   reduced during backward, layer by layer; last, as it wraps what steps 2-4 made. Where
+   ``zero_stage=0`` meets no other parallelism (:func:`~.replicated.replicates_plain`), torch's
+   DDP takes the axis on plain tensors instead, wrapped around the materialised share (:mod:`.replicated`).
 
 Nothing here imports Lightning or an adapter: the strategy resolves the model's
 :class:`~lightning_parallel.parallel.adapter.ModelAdapter` once (``adapters.adapt(module)``) and
@@ -47,6 +50,7 @@ from torch import Tensor, nn
 from lightning_parallel.layout import TENSOR_PARALLEL, ParallelLayout
 from lightning_parallel.parallel import activation_checkpoint
 from lightning_parallel.parallel.adapter import ModelAdapter
+from lightning_parallel.parallel.compile import compile_layers
 from lightning_parallel.parallel.data import data_axis_mesh, shard_data_axis, uses_data_axis
 from lightning_parallel.parallel.materialize import InitPlan, Materialization, materialize, plan_initialisation
 from lightning_parallel.parallel.options import ParallelOptions
@@ -59,6 +63,7 @@ from lightning_parallel.parallel.pipeline.stages import (
     RemovedLayer,
 )
 from lightning_parallel.parallel.precision import fsdp_policy
+from lightning_parallel.parallel.replicated import replicate_module, replicates_plain
 from lightning_parallel.parallel.tensor.gradients import resettle_gradients
 from lightning_parallel.parallel.tensor.plan import (
     apply_tensor_parallel,
@@ -93,6 +98,8 @@ class Parallelized:
         adapter: the model adapter everything above was asked of (the executors ask it too).
         loss_terms: whether ``loss_fn`` returns ``(loss_sum, num_items)`` terms rather than a mean.
         context_split: how batches split along the sequence and outputs join (None without context parallelism).
+        replicated: the ``DistributedDataParallel`` wrapper of the module when the data axis is plain DDP
+            (:mod:`.replicated`): the strategy trains through it; None where FSDP2 (or nothing) holds the axis.
     """
 
     layout: ParallelLayout
@@ -108,6 +115,7 @@ class Parallelized:
     adapter: Optional[ModelAdapter] = None
     loss_terms: bool = False
     context_split: Optional[SequenceSplit] = None
+    replicated: Optional[nn.Module] = None
 
     @property
     def pipelined(self) -> bool:
@@ -190,6 +198,15 @@ def checkpoint_activations(
     return activation_checkpoint.apply_activation_checkpointing(chosen, selective=choice == "selective")
 
 
+def _checkpoint_and_compile(module: nn.Module, options: ParallelOptions, split: Optional[PipelineSplit],
+                            adapter: ModelAdapter) -> None:
+    """Step 3: activation checkpointing, then ``torch.compile`` per layer over it (before FSDP2: :mod:`.compile`)."""
+    checkpoint_activations(module, options.activation_checkpointing, split, adapter=adapter)
+    if options.compile is not False:  # this rank's layers, not other stages' placeholders
+        compile_layers([m for m in _checkpoint_layers(module, split, adapter) if not isinstance(m, RemovedLayer)],
+                       options.compile)
+
+
 def _checkpoint_layers(module: nn.Module, split: Optional[PipelineSplit], adapter: ModelAdapter) -> list[nn.Module]:
     """The layers ``full``/``selective`` checkpoint: every pipeline layer, or the adapter's layers."""
     if split is None:
@@ -254,8 +271,8 @@ def _wrap_data_axis(module: nn.Module, layout: ParallelLayout, options: Parallel
     ``meshes`` is ``(mesh, data_mesh)`` as :func:`parallelize` got them; nothing is wrapped
     when there is no data axis to reduce over (``zero_stage=0`` on one data rank).
     """
-    if not uses_data_axis(layout, options.zero_stage):
-        return
+    if not uses_data_axis(layout, options.zero_stage) or replicates_plain(layout, options, precision):
+        return  # nothing to reduce over, or torch's DDP takes the axis once the share is materialised
     dp_mesh = data_axis_mesh(layout, options.zero_stage, *meshes)
     # (4) zero_stage=0 keeps its parameters in their own dtype (no FSDP2 cast); reductions are fp32.
     policy = fsdp_policy(precision, options, layout)
@@ -292,8 +309,7 @@ def parallelize(
         options, rank: the run's options; this process's global rank.
         layer_times, on_split: per-layer seconds for ``partition="time"`` (the same on every rank); called
             with the pipeline split once it is known (the strategy prints it).
-        precision: the Trainer's precision name; decides FSDP2's mixed-precision policy.
-        data_mesh: FSDP2's data mesh (:func:`~lightning_parallel.parallel.data.build_data_mesh`), or None.
+        precision, data_mesh: the Trainer's precision name (FSDP2's policy, or DDP); the data mesh or None.
         adapter: the model's adapter, resolved once by the strategy (default: ``ModelAdapter.resolve(module)``).
         materialization: device and seed for a model built on ``meta`` (required for one).
         experts: the expert mesh and groups (required with ``layout.expert_parallel > 1``).
@@ -309,14 +325,23 @@ def parallelize(
     _apply_local_plan(module, layout, mesh, plan, adapter)
     context_split = apply_context(module, layout, mesh, options, adapter)
     apply_experts(module, layout, experts, adapter)
-    checkpoint_activations(module, options.activation_checkpointing, split, adapter=adapter)
+    _checkpoint_and_compile(module, options, split, adapter)
     _wrap_data_axis(module, layout, options, (mesh, data_mesh), split, stages, precision, adapter)
     if init_plan is not None:  # (7) only now is anything allocated: this rank's share
         _materialize_share(module, materialization, init_plan, adapter, plan, options.offload)
     pipeline_tied.mark_copies(module, tied)  # after FSDP2/TP/to_empty replaced the parameter objects
     loss_fn, count = (pipe.loss_fn, pipe.count_items) if pipe is not None else (None, None)
     return Parallelized(layout, options, plan, split, tuple(stages), tuple(stage_ids), last, loss_fn, count,
-                        tuple(tied), adapter, pipe is not None and pipe.loss_terms, context_split)
+                        tuple(tied), adapter, pipe is not None and pipe.loss_terms, context_split,
+                        _plain_data_axis(module, layout, options, (mesh, data_mesh), precision))
+
+
+def _plain_data_axis(module: nn.Module, layout: ParallelLayout, options: ParallelOptions, meshes: tuple,
+                     precision: str) -> Optional[nn.Module]:
+    """Step 5 where torch's DDP holds the axis (:mod:`.replicated`): after step 7, as DDP needs the storage."""
+    if not uses_data_axis(layout, options.zero_stage) or not replicates_plain(layout, options, precision):
+        return None
+    return replicate_module(module, data_axis_mesh(layout, options.zero_stage, *meshes), options.bucket_bytes)
 
 
 def _check_whole(module: nn.Module, layout: ParallelLayout, options: ParallelOptions,

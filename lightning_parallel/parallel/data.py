@@ -1,4 +1,4 @@
-"""The data axis on FSDP2: every ZeRO stage, HSDP and replicated data parallelism alike.
+"""The data axis on FSDP2: every ZeRO stage, HSDP, and replicated data parallelism beside other axes.
 
 ``zero_stage`` 2/3 shard over the data axis (``fully_shard`` on a 1-D mesh), or under HSDP
 shard within ``data_shard`` ranks and all-reduce across ``data_replicate`` groups (a 2-D
@@ -7,11 +7,13 @@ mesh). Replicated data parallelism (``zero_stage=0``) is the same machinery on a
 resharded -- torchtitan's way of running DDP beside tensor and pipeline parallelism.
 
 Note:
-    Why FSDP2 and not DDP for ``zero_stage=0``: torch's ``DistributedDataParallel`` does not
-    take tensor-parallel DTensor parameters without private hooks, and its composable form
-    (``replicate``) lives in a private module; ``fully_shard`` is public, composes with TP's
-    DTensors and with ``torch.distributed.pipelining``. The gradient of each FSDP2 unit (a
-    bucket of consecutive layers, see ``bucket_bytes``, then the root) is all-reduced from
+    Why FSDP2 and not DDP for ``zero_stage=0`` beside tensor or pipeline parallelism (alone, or with
+    context parallelism only, the axis is DDP: :mod:`.replicated`): torch's ``DistributedDataParallel`` does not
+    take tensor-parallel DTensor parameters without private hooks, its composable form
+    (``replicate``) lives in a private module, and ``PipelineStage`` drives a DDP stage through DDP's private
+    reducer; ``fully_shard`` is public, composes with TP's DTensors and with ``torch.distributed.pipelining``.
+    The gradient of each FSDP2 unit (a bucket of consecutive layers, see ``bucket_bytes``, then the root) is
+    all-reduced from
     its post-backward hook, i.e. during backward -- the overlap DDP's buckets give. Under
     pipelining torch's ``PipelineStage`` skips the sync of every micro-batch and reduces a
     stage once its last backward is done, while other stages still compute. An average is a
@@ -262,11 +264,18 @@ def deferred_gradient_sync(module: nn.Module, zero_stage: int, hsdp: bool) -> It
     are the point of ZeRO-2). On exit every FSDP2 module syncs again.
 
     Args:
-        module: the model holding FSDP2 modules (no-op without them).
+        module: the model holding FSDP2 modules (no-op without them), or its ``DistributedDataParallel`` wrapper
+            (the plain data axis, :mod:`.replicated`: its ``no_sync``).
         zero_stage: the run's ZeRO stage.
         hsdp: whether the data axis is split into replica and shard groups.
     """
     from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        with module.no_sync():
+            yield
+        return
 
     units = [m for m in module.modules() if isinstance(m, FSDPModule)] if zero_stage == 0 or hsdp else []
     for unit in units:

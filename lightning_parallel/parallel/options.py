@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 
 from lightning_parallel.layout import Size, check_size
 from lightning_parallel.parallel.activation_checkpoint import Choice, check_choice
+from lightning_parallel.parallel.compile import Compile, check_compile, compile_backend
 from lightning_parallel.parallel.pipeline.partition import METHODS
 from lightning_parallel.parallel.pipeline.schedules import validate_schedule
 from lightning_parallel.parallel.precision import check_dtype_option
@@ -112,6 +113,8 @@ class ParallelOptions:
         activation_checkpointing: ``"none"``, ``"full"`` (every layer recomputes its forward in backward),
             ``"selective"`` (keeps matmul and attention outputs) or a list of submodule globs
             (see :mod:`lightning_parallel.parallel.activation_checkpoint`).
+        compile: ``torch.compile`` each of this rank's layers (:mod:`lightning_parallel.parallel.compile`): ``True``
+            (inductor), a backend name (``"aot_eager"``, ...), or ``False`` (eager, the default).
         param_dtype: FSDP2's all-gathered (computing) parameter dtype under ``zero_stage`` 2/3,
             ``"float32"`` or ``"bfloat16"``; None: bf16 under ``bf16-mixed`` without tensor parallelism,
             else the parameters' own (see :mod:`lightning_parallel.parallel.precision`).
@@ -126,7 +129,8 @@ class ParallelOptions:
             refused (data-parallel-only runs get them from ``strategy=ddp``,
             :mod:`lightning_parallel.strategies.ddp_comm`).
         bucket_size_mb: ``zero_stage=0``: consecutive layers share one gradient all-reduce until their
-            parameters reach this size (DDP's ``bucket_cap_mb``; None: 25, 0: one per layer).
+            parameters reach this size (DDP's ``bucket_cap_mb``; None: 25, 0: one per layer under FSDP2, one per
+            parameter where the axis is DDP, ``parallel/replicated.py``).
         fsdp_prefetch: ``zero_stage`` 2/3: each layer's FSDP2 unit issues the all-gathers of the next
             ``fsdp_prefetch`` layers of its stage ahead of time (and of the previous ones in backward);
             None: FSDP2's default (the next layer, issued when its own forward or backward starts).
@@ -163,6 +167,7 @@ class ParallelOptions:
     save_distributed_checkpoint: bool = True
     timeout: Optional[Union[timedelta, int, float]] = None
     activation_checkpointing: Choice = "none"
+    compile: Compile = False
     param_dtype: Optional[str] = None
     reduce_dtype: str = "float32"
     data_replicate_size: Optional[int] = None
@@ -197,6 +202,9 @@ class ParallelOptions:
         object.__setattr__(self, "plan", plain(self.plan))
         object.__setattr__(self, "timeout", as_timeout(self.timeout))
         object.__setattr__(self, "activation_checkpointing", check_choice(plain(self.activation_checkpointing)))
+        if self.compile is not False:
+            compile_backend(self.compile)  # refuses a value that names no backend
+            check_compile(self.compile, self.activation_checkpointing, self.tensor_parallel_size)
         check_dtype_option("param_dtype", self.param_dtype, allow_none=True)
         self._apply_comm_hook()
         check_dtype_option("reduce_dtype", self.reduce_dtype, allow_none=False)
@@ -330,7 +338,8 @@ class ParallelOptions:
         return (self.schedule, self.stages_per_rank, self.partition, self.zero_stage, self.sequence_parallel,
                 self.loss_parallel, repr(self.plan), self.activation_checkpointing, self.param_dtype, self.reduce_dtype,
                 self.data_replicate_size, self.data_shard_size, self.bucket_size_mb, self.fsdp_prefetch,
-                self.offload, self.context_parallel_size, self.context_parallel_method, self.expert_parallel_size)
+                self.offload, self.context_parallel_size, self.context_parallel_method, self.expert_parallel_size,
+                self.compile)
 
 
 def option_names() -> tuple[str, ...]:

@@ -141,13 +141,15 @@ def fsdp_policy(precision: str, options: ParallelOptions, layout: ParallelLayout
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
-def describe_precision(precision: str, options: ParallelOptions, layout: ParallelLayout) -> str:
+def describe_precision(precision: str, options: ParallelOptions, layout: ParallelLayout,
+                       data_engine: str = "FSDP2") -> str:
     """One line for the start-up table: compute, master weights and reduction dtypes.
 
     Args:
         precision: the Trainer's precision name.
         options: the strategy's options.
         layout: the resolved layout.
+        data_engine: what holds the data axis (``"FSDP2"``, or ``"DDP"`` where :mod:`.replicated` applies).
     """
     precision = str(precision)
     masters = "bf16 (bf16-true)" if precision == "bf16-true" else "fp32"
@@ -157,7 +159,7 @@ def describe_precision(precision: str, options: ParallelOptions, layout: Paralle
         policy = fsdp_policy(precision, options, layout)
         gather = _name(policy.param_dtype) if policy is not None and policy.param_dtype is not None else "as weights"
         reduce = _name(policy.reduce_dtype) if policy is not None else "fp32"
-        text += f"; data axis (FSDP2): parameters {gather} in compute, gradients reduced in {reduce}"
+        text += f"; data axis ({data_engine}): parameters {gather} in compute, gradients reduced in {reduce}"
     return text
 
 

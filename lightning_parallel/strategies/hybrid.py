@@ -162,11 +162,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @property
     def pipeline_split(self) -> Optional[PipelineSplit]:
         """Which layers each pipeline stage owns (None without pipelining or before ``setup``)."""
-        return self.parallelized.split if self.parallelized is not None else None
+        return getattr(self.parallelized, "split", None)
 
     @property
-    def pipeline_runner(self) -> Any:
-        """The :class:`~lightning_parallel.parallel.pipeline.runner.PipelineRunner` (None without pipelining)."""
+    def pipeline_runner(self) -> Any:  # the executor's PipelineRunner (parallel/pipeline/runner.py); None without
         return getattr(self._executor, "runner", None)
 
     # --- Lightning lifecycle ---------------------------------------------------------
@@ -176,11 +175,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         # instead of surfacing as a hang or a shape error inside a collective.
         self.layout = self.resolve_layout(self.num_processes * self.num_nodes)
         if self.layout.pipeline_parallel_enabled and not self.options.save_distributed_checkpoint:
-            raise ValueError(
-                "save_distributed_checkpoint=False gathers one file on rank 0, which holds only the first pipeline "
-                "stage: keep save_distributed_checkpoint=True under pipeline parallelism "
-                "(the folder loads under any layout)."
-            )
+            raise ValueError("save_distributed_checkpoint=False gathers one file on rank 0, which holds only the first "
+                             "pipeline stage: keep save_distributed_checkpoint=True under pipeline parallelism "
+                             "(the folder loads under any layout).")
         already = self._parallelized_module is not None and self._parallelized_module() is self.lightning_module
         # else checked on meta in setup; a module fit before (then validated) was checked and split already
         if not already and not is_overridden("configure_model", self.lightning_module):
@@ -218,6 +215,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
             self.model_to_device()
         self._parallelize(self.lightning_module, trainer)
         self._executor = executors.choose_executor(self, self.parallelized)
+        if self.parallelized.replicated is not None and trainer.state.fn == TrainerFn.FITTING:
+            self.model = self.parallelized.replicated  # plain DDP: Lightning runs the steps through its forward
         if not isinstance(self.precision_plugin, GlobalNormClipping):
             group = self.device_mesh[PIPELINE_PARALLEL].get_group() if self.layout.pipeline_parallel_enabled else None
             self.precision_plugin = GlobalNormClipping(self.precision_plugin, group)
@@ -350,6 +349,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         if self.replica_groups is not None:
             self.replica_groups.close()
+        self.model = self.lightning_module  # unwrap DDP (a no-op otherwise), as Lightning's DDPStrategy does
         super().teardown()
 
     @override
@@ -361,7 +361,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         Under pipelining torch's ``PipelineStage`` re-enables the sync at every schedule's end, so
         there each accumulated batch is reduced (still exact); raise ``microbatches`` instead.
         """
-        with deferred_gradient_sync(self.lightning_module, self.options.zero_stage, self.layout.hsdp_enabled):
+        with deferred_gradient_sync(self.model, self.options.zero_stage, self.layout.hsdp_enabled):
             yield
 
     # --- checkpoints -----------------------------------------------------------------------
@@ -369,7 +369,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not self.options.save_distributed_checkpoint:
             return super().optimizer_state(optimizer)
-        return optimizer_state_dict(self.model, _unwrap(optimizer))
+        return optimizer_state_dict(self.lightning_module, _unwrap(optimizer))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

@@ -38,7 +38,7 @@ def save_strategy_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath
     }
     # The configure_optimizers order of parameters (a collective: every rank saves), so
     # `lp-convert --to lightning` can key optimizer state by index as Lightning does.
-    checkpoint["lightning_parallel"].update(parameter_order_entry(strategy.model, optimizers))
+    checkpoint["lightning_parallel"].update(parameter_order_entry(strategy.lightning_module, optimizers))
     state = {"state_dict": checkpoint.pop("state_dict")}
     state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     save_sharded_checkpoint(path, state, checkpoint, strategy.global_rank == 0, strategy.barrier)
@@ -61,7 +61,7 @@ def load_strategy_checkpoint(strategy: Any, checkpoint_path: Any, weights_only: 
             "check ckpt_path (ModelCheckpoint names files by its filename=)."
         )
     return resume_from(
-        path, strategy.model, optimizers, strict=strategy.lightning_module.strict_loading,
+        path, strategy.lightning_module, optimizers, strict=strategy.lightning_module.strict_loading,
         load_optimizer_state=strategy.load_optimizer_state, weights_only=weights_only,
         local_coordinator=strategy.local_rank == 0, reader=f"{type(strategy).__name__} ({strategy.strategy_name})",
     )

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from lightning_parallel.layout import ParallelLayout, rank_map_rows
 from lightning_parallel.parallel.activation_checkpoint import describe_choice
+from lightning_parallel.parallel.compile import compile_backend
 from lightning_parallel.parallel.options import OFFLOAD_DESCRIPTIONS, ZERO_DESCRIPTIONS, ParallelOptions
 from lightning_parallel.parallel.precision import describe_precision
+from lightning_parallel.parallel.replicated import PLAIN_REPLICATION, replicates_plain
 
 
 def layout_rows(options: ParallelOptions, layout: ParallelLayout, precision: str) -> dict[str, str]:
@@ -31,10 +33,13 @@ def layout_rows(options: ParallelOptions, layout: ParallelLayout, precision: str
                            "holding the same experts")
     if layout.tensor_parallel_enabled:
         rows["tensor"] = f"sequence_parallel={o.sequence_parallel}, loss_parallel={o.loss_parallel}"
-    rows["data"] = ZERO_DESCRIPTIONS[o.zero_stage] + (
+    plain = replicates_plain(layout, o, precision)
+    rows["data"] = (PLAIN_REPLICATION if plain else ZERO_DESCRIPTIONS[o.zero_stage]) + (
         f"; HSDP {layout.data_replicate} replica groups x {layout.data_shard} shards" if layout.hsdp_enabled else ""
     ) + (f"; offload {o.offload}: {OFFLOAD_DESCRIPTIONS[o.offload]}" if o.offload != "none" else "")
-    rows["precision"] = describe_precision(precision, o, layout)
+    rows["precision"] = describe_precision(precision, o, layout, "DDP" if plain else "FSDP2")
     rows["activation checkpointing"] = describe_choice(o.activation_checkpointing)
+    if o.compile is not False:
+        rows["compile"] = f"torch.compile per layer, backend {compile_backend(o.compile)}"
     rows.update(rank_map_rows(layout))
     return rows

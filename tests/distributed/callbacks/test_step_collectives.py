@@ -1,11 +1,13 @@
-"""The suite's per-step callbacks add no collective to a steady-state step (issue 28, first item).
+"""The suite's per-step callbacks add no collective to a steady-state step, and take Lightning's away (issue 28).
 
 ``lp-train`` always runs :class:`GracefulStop` and, by default, :class:`NonFiniteGuard`. Counted with the
 benchmarks' ``CommCounter`` (torch.distributed calls and DTensor's functional collectives) over steps 5-10 of the
-same fit with and without them: equal under tensor 2 with clipping (the guard reads the clipping's global norm)
-and under Lightning's DDP (every rank holds the whole averaged gradient: a local check), and the stop agreement
-runs once per ``agree_every_s`` seconds after 3 probe steps. The control, an agreement every step (the old
-behaviour), adds one all-reduce per step and is counted, so the counter sees what it is meant to.
+same fit with and without them: the same under tensor 2 with clipping (the guard reads the clipping's global norm)
+and under Lightning's DDP (every rank holds the whole averaged gradient: a local check) but for Lightning's
+per-step broadcast of its SIGTERM flag, which the bare Trainer runs and the suite drops (its signal handlers hold
+SIGTERM), and the stop agreement runs once per ``agree_every_s`` seconds after 3 probe steps. The control, an
+agreement every step (the old behaviour), adds one all-reduce per step and is counted, so the counter sees what it
+is meant to.
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ def test_the_suites_callbacks_add_no_collective_to_a_steady_step(tmp_path):
     steps = LAST - FIRST + 1
     for name, runs in counts.items():
         print(name, runs)
-        assert runs["suite"] == runs["raw"], name
+        # Lightning broadcasts its SIGTERM flag before every step; with the suite's handlers holding SIGTERM that
+        # flag is never set and GracefulStop's agreement stands in: one collective per step fewer than a bare Trainer.
+        # It runs before a step's on_train_batch_start: the window holds those of its steps but the first.
+        assert runs["raw"].get("broadcast", 0) == steps - 1, (name, runs)
+        assert runs["suite"] == {op: n for op, n in runs["raw"].items() if op != "broadcast"}, (name, runs)
         extra = runs["every step"].get("all_reduce", 0) - runs["raw"].get("all_reduce", 0)
         assert extra == steps, (name, runs)  # the control: one agreement per step is seen

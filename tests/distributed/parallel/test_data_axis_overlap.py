@@ -1,11 +1,11 @@
-"""Replicated data parallelism reduces gradients during backward, layer by layer, and not in accumulation micro-steps.
+"""Replicated data parallelism reduces gradients during backward, bucket by bucket, and not in accumulation micro-steps.
 
-Two processes, ``zero_stage=0`` on ``dp2``: every ``torch.distributed.all_reduce`` call and
-the moment the first layer's backward starts are logged in order. The first layer is the
-last to get its gradient, so all-reduces logged before it were issued while backward was
-still running (the overlap DDP's buckets give), and the gradients found when backward
-returns already equal one process's full-batch gradients. Inside ``deferred_gradient_sync``
-a backward issues no collective at all, and the next synchronised backward reduces the sum.
+Two processes, ``zero_stage=0`` on ``dp2`` (the plain axis: torch's DDP, ``parallel/replicated.py``): every bucket
+all-reduce (logged by a DDP communication hook that then all-reduces as DDP's default does) and the moment the first
+layer's backward starts are logged in order. The first layer is the last to get its gradient, so all-reduces logged
+before it were issued while backward was still running (the overlap of DDP's buckets), and the gradients found when
+backward returns already equal one process's full-batch gradients. Inside ``deferred_gradient_sync`` a backward
+issues no collective at all, and the next synchronised backward reduces the sum.
 """
 
 from __future__ import annotations
@@ -41,10 +41,11 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def _logged(events: list) -> tuple[int, int]:
-    """(all-reduces before the first layer's backward started, all-reduces in all)."""
+def _logged(events: list) -> tuple[int, int, int]:
+    """(buckets reduced before the first layer's backward started, buckets in all, Python all-reduces)."""
     first_layer = events.index("first layer backward")
-    return sum(e == "all_reduce" for e in events[:first_layer]), sum(e == "all_reduce" for e in events)
+    return (sum(e == "bucket" for e in events[:first_layer]), sum(e == "bucket" for e in events),
+            events.count("all_reduce"))
 
 
 def _run(rank: int, world_size: int) -> dict:
@@ -55,35 +56,42 @@ def _run(rank: int, world_size: int) -> dict:
     layout = ParallelLayout(2, 2, 1, 1)
     mesh = layout.build_mesh("cpu")
     bucketed = copy.deepcopy(reference)  # DDP's default 25 MB bucket holds this whole model: one all-reduce
-    for target, options in ((module, ParallelOptions(data_parallel_size=2, bucket_size_mb=0)),
-                            (bucketed, ParallelOptions(data_parallel_size=2))):
-        parallelize(target, layout, mesh, options, rank, data_mesh=data_mesh(layout, mesh, 0))
+    wrapped = [parallelize(target, layout, mesh, options, rank, data_mesh=data_mesh(layout, mesh, 0)).replicated
+               for target, options in ((module, ParallelOptions(data_parallel_size=2, bucket_size_mb=0)),
+                                       (bucketed, ParallelOptions(data_parallel_size=2)))]
     events: list = []
     module.pipeline_layers()[0].register_full_backward_pre_hook(lambda *_: events.append("first layer backward"))
     original = dist.all_reduce
+    for ddp in wrapped:
+        ddp.register_comm_hook(None, _logged_hook(events))
+    ddp_module, ddp_bucketed = wrapped
 
-    def logged_all_reduce(*args, **kwargs):
+    def logged_all_reduce(*args, **kwargs):  # any all-reduce from Python (there should be none)
         events.append("all_reduce")
         return original(*args, **kwargs)
 
     x, y = torch.randn(2, BATCH, WIDTH), torch.randn(2, BATCH, WIDTH)
     half = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+    for model, ddp in ((module, ddp_module), (bucketed, ddp_bucketed)):  # DDP sizes its buckets in the first step
+        model.pipeline_loss(ddp(x[0, half]), y[0, half]).backward()
+        model.zero_grad(set_to_none=True)
+    events.clear()
     dist.all_reduce = logged_all_reduce
     try:
-        module.pipeline_loss(module(x[0, half]), y[0, half]).backward()
+        module.pipeline_loss(ddp_module(x[0, half]), y[0, half]).backward()
         synced = _logged(events)
         one_step = _grads(module)
         module.zero_grad(set_to_none=True)
         events.clear()
-        with deferred_gradient_sync(module, zero_stage=0, hsdp=False):
-            (module.pipeline_loss(module(x[0, half]), y[0, half]) / 2).backward()
-        deferred = events.count("all_reduce")
+        with deferred_gradient_sync(ddp_module, zero_stage=0, hsdp=False):
+            (module.pipeline_loss(ddp_module(x[0, half]), y[0, half]) / 2).backward()
+        deferred = events.count("bucket")
         events.clear()
-        (module.pipeline_loss(module(x[1, half]), y[1, half]) / 2).backward()
-        accumulated_calls = events.count("all_reduce")
+        (module.pipeline_loss(ddp_module(x[1, half]), y[1, half]) / 2).backward()
+        accumulated_calls = events.count("bucket")
         events.clear()
-        bucketed.pipeline_loss(bucketed(x[0, half]), y[0, half]).backward()
-        bucket_calls = events.count("all_reduce")
+        bucketed.pipeline_loss(ddp_bucketed(x[0, half]), y[0, half]).backward()
+        bucket_calls = events.count("bucket")
     finally:
         dist.all_reduce = original
     accumulated = _grads(module)
@@ -95,15 +103,29 @@ def _run(rank: int, world_size: int) -> dict:
     return {"synced": synced, "deferred": deferred, "accumulated_calls": accumulated_calls,
             "bucket_calls": bucket_calls, "bucketed": _max_diff(_grads(bucketed), expected_one),
             "one_step": _max_diff(one_step, expected_one), "accumulated": _max_diff(accumulated, _grads(reference)),
-            "units": len(module.pipeline_layers())}  # the root holds no parameter of its own
+            "units": len(list(module.parameters())), "plain": all(type(p) is torch.nn.Parameter
+                                                                  for p in module.parameters())}
+
+
+def _logged_hook(events: list):
+    """A DDP communication hook that logs each bucket, then all-reduces and averages it as DDP's default does."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def hook(state, bucket):
+        events.append("bucket")
+        return allreduce_hook(state, bucket)
+
+    return hook
 
 
 def test_replicated_gradients_are_reduced_during_backward_and_deferred_in_micro_steps():
     for result in run_processes(_run, 2, timeout=300):
-        before_first_layer, total = result["synced"]
-        # One all-reduce per FSDP2 unit (each layer): the later layers' ones are
-        # issued before the first layer's backward starts, i.e. before backward returns.
-        assert total == result["units"] and before_first_layer >= result["units"] - 2, result
+        before_first_layer, total, python_calls = result["synced"]
+        # bucket_size_mb=0: one bucket per parameter; the later layers' ones are issued before the first layer's
+        # backward starts, i.e. before backward returns. The one all-reduce per bucket is the hook's: nothing else
+        # communicates; parameters stay plain tensors.
+        assert total == result["units"] and before_first_layer >= result["units"] - 4, result
+        assert python_calls == total and result["plain"], result
         assert result["one_step"] < TOL, result
         assert result["deferred"] == 0, result  # accumulation micro-step: no communication
         assert result["accumulated_calls"] == result["units"], result

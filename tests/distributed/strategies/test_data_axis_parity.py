@@ -1,4 +1,5 @@
-"""The data axis on FSDP2 -- replicated (reduced during backward) and HSDP -- matches one process.
+"""The data axis -- replicated (torch's DDP on plain tensors, reduced during backward), FSDP2 and HSDP -- matches
+one process.
 
 fp32, AdamW, gradient clipping, 10 optimizer steps, every rank within 1e-5 of one process
 on the same global batch; accumulation 2 exercises the deferred reduction of micro-steps.
@@ -26,8 +27,11 @@ class NeverReducing(Hybrid):
 
     def setup(self, trainer):
         from torch.distributed.fsdp import FSDPModule
+        from torch.nn.parallel import DistributedDataParallel
 
         super().setup(trainer)
+        if isinstance(self.model, DistributedDataParallel):  # the plain replicated axis (parallel/replicated.py)
+            self.model.require_backward_grad_sync = False  # what DDP's no_sync sets, for the whole run
         for unit in self.lightning_module.modules():
             if isinstance(unit, FSDPModule):
                 unit.set_requires_gradient_sync(False, recurse=False)
