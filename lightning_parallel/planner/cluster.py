@@ -58,6 +58,8 @@ class Cluster:
             the Python dispatch of its hooks and optimizer update, which a small model on a CPU feels.
         pipeline_action_overhead: seconds each pipeline schedule action (a forward or backward of one stage on one
             micro-batch) costs beyond its compute.
+        deepspeed_overhead_per_byte: seconds per step per byte of a replica's parameters under DeepSpeed's ZeRO
+            engine beyond the same step under DDP (its copies into flat fp32 partitions and reduction buckets).
     """
 
     name: str
@@ -73,6 +75,7 @@ class Cluster:
     oversubscribed_latency: Optional[float] = None
     dtensor_param_overhead: float = 0.0
     pipeline_action_overhead: float = 0.0
+    deepspeed_overhead_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         if self.compute not in ("measured", "peak"):
@@ -140,6 +143,7 @@ def cluster_from_dict(values: Mapping[str, Any]) -> Cluster:
         ),
         dtensor_param_overhead=float(values.get("dtensor_param_overhead_us") or 0.0) * 1e-6,
         pipeline_action_overhead=float(values.get("pipeline_action_overhead_us") or 0.0) * 1e-6,
+        deepspeed_overhead_per_byte=float(values.get("deepspeed_overhead_ns_per_byte") or 0.0) * 1e-9,
     )
 
 

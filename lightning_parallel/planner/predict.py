@@ -213,10 +213,12 @@ def _data_axis_seconds(
 
 def _dtensor_params(shape: ModelShape, c: Candidate, layers: list[int]) -> int:
     """DTensor parameter dispatches per step on the rank: every parameter once (optimizer, hooks) under FSDP2 (the
-    hybrid strategy's data x context axis at any ZeRO stage); under tensor parallelism the sharded layers'
-    parameters also once per micro-batch (their forward and backward run as DTensor operations)."""
+    hybrid strategy's data x context axis, but for ZeRO 0 without other axes, which is DDP on plain tensors:
+    ``parallel/replicated.py``); under tensor parallelism the sharded layers' parameters also once per micro-batch
+    (their forward and backward run as DTensor operations)."""
     count = 0
-    if c.engine == "hybrid" and c.replicas > 1:
+    plain = c.zero == 0 and c.tp == 1 and c.pp == 1 and c.ep == 1
+    if c.engine == "hybrid" and c.replicas > 1 and not plain:
         count += sum(len(shape.layers[i].params) for i in layers)
     if c.tp > 1:
         sharded = sum(len(shape.layers[i].params) for i in layers
@@ -272,6 +274,9 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate) -> Prediction:
         per_batch, sync = _rank_data_axis(shape, cluster, c, layers, params)
         optimizer = slowdown * 2 * (params + grads + optim) / cluster.memory_bandwidth
         optimizer += slowdown * cluster.dtensor_param_overhead * _dtensor_params(shape, c, layers)
+        if c.engine == "deepspeed":
+            replica = shape.param_bytes * sum(shape.layers[i].num_params for i in layers)
+            optimizer += slowdown * cluster.deepspeed_overhead_per_byte * replica
         rank_step = c.accumulate * (batch_time + per_batch) + sync + optimizer
         if rank_step > step:
             step, comm = rank_step, c.accumulate * per_batch + sync

@@ -129,3 +129,22 @@ def _tiny_measured(cfg):
     model = instantiate(cfg.model).build()
     shape = profile_module(model, torch.randint(0, 64, (2, int(cfg.data.seq_len))))
     return replace(shape, measured_seconds=fake_timer(len(shape.layers)))
+
+
+def test_replicated_data_parallelism_is_predicted_as_ddp_and_deepspeed_pays_its_engine(gpt_shape) -> None:
+    """ZeRO 0 without other axes runs on plain tensors (torch's DDP, parallel/replicated.py): no DTensor cost, the
+    same step as Lightning's DDP; with tensor parallelism beside it the data axis is FSDP2 again and pays it.
+    DeepSpeed pays its engine's measured per-byte cost on this machine (conf/cluster/cpu.yaml)."""
+    cluster = load_cluster("cpu", CONFIG_DIR)
+    assert cluster.dtensor_param_overhead > 0 and cluster.deepspeed_overhead_per_byte > 0
+    plan = make_plan(gpt_shape, cluster, 4, Workload("none", Reference(), 8), SearchSpace(deepspeed_stages=(1,)))
+    step = {p.candidate.name: p.step_time for p in plan.ranked}
+    assert step["dp4 b8"] == pytest.approx(step["dp4 ddp b8"])
+    assert step["dp4 ds1 b8"] > step["dp4 ddp b8"]
+    without = make_plan(gpt_shape, replace(cluster, deepspeed_overhead_per_byte=0.0), 4,
+                        Workload("none", Reference(), 8), SearchSpace(deepspeed_stages=(1,)))
+    assert {p.candidate.name: p.step_time for p in without.ranked}["dp4 ds1 b8"] < step["dp4 ds1 b8"]
+    fsdp = make_plan(gpt_shape, replace(cluster, dtensor_param_overhead=0.0), 4, Workload("none", Reference(), 8),
+                     SearchSpace(deepspeed_stages=(1,)))
+    dp2tp2 = {p.candidate.name: p.step_time for p in fsdp.ranked}
+    assert step["dp2xtp2 b8"] > dp2tp2["dp2xtp2 b8"]  # FSDP2 beside tensor parallelism: DTensor parameters
