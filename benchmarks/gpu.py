@@ -2,7 +2,8 @@
 
     benchmarks/gpu.sh                      # = python -m benchmarks.run gpu=true sections=[]
 
-For each strategy of ``gpu_run.strategies`` (single device, ``deepspeed_zero2``,
+For each strategy of ``gpu_run.strategies`` (single device, the hybrid strategy eager and with
+``compile=True`` -- every block compiled with inductor --, ``deepspeed_zero2``,
 ``deepspeed_zero3`` through this suite, and Lightning's own ``deepspeed_stage_2`` as the
 anchor that only runs on CUDA), fits the GPT recipe with ``precision="bf16-mixed"`` in a
 fresh process and times the steps after warm-up. MFU = tokens/s x FLOPs/token / peak, with
@@ -31,6 +32,10 @@ def _strategy(name: str) -> Any:
         from lightning_parallel.strategies import DeepSpeedDataParallelStrategy
 
         return DeepSpeedDataParallelStrategy(zero_stage=int(name[-1]))
+    if name in ("hybrid", "hybrid_compiled"):
+        from lightning_parallel.strategies import HybridParallelStrategy
+
+        return HybridParallelStrategy(data_parallel_size=1, compile=name == "hybrid_compiled")
     return name  # a Lightning registry name, e.g. "deepspeed_stage_2"
 
 
@@ -85,7 +90,7 @@ def run_gpu(cfg: dict) -> dict:
     rows = []
     for name in cfg["strategies"]:
         try:
-            rows.append(run_processes(_fit, 1, name, cfg, timeout=300, env={"OMP_NUM_THREADS": "8"})[0])
+            rows.append(run_processes(_fit, 1, name, cfg, timeout=420, env={"OMP_NUM_THREADS": "8"})[0])
         except Exception as err:  # noqa: BLE001 - one strategy failing must not lose the others' rows
             rows.append({"strategy": name, "error": str(err)[-400:]})
     return {

@@ -19,6 +19,7 @@ Measured per layout (rank-local, aggregated by the caller):
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -89,9 +90,15 @@ def make_strategy(kind: str, world: int, args: dict) -> tuple[Any, int]:
         return HybridParallelStrategy(**args), int(args.get("data_parallel_size", world))
     if kind == "lightning_model_parallel":
         return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=world), 1
+    if kind == "lightning_fsdp":  # Lightning's FSDPStrategy (torch's FSDP1), full sharding, one unit per layer
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        from examples.transformer import Block
+
+        return FSDPStrategy(auto_wrap_policy={Block}, **args), world
     raise ValueError(
-        f"Unknown strategy kind {kind!r}: use single, ddp, pipeline, tensor, hybrid, deepspeed or "
-        "lightning_model_parallel."
+        f"Unknown strategy kind {kind!r}: use single, ddp, pipeline, tensor, hybrid, deepspeed, "
+        "lightning_model_parallel or lightning_fsdp."
     )
 
 
@@ -205,10 +212,15 @@ def _trainer_layout(rank: int, world: int, spec: dict, cfg: dict, train: Any, va
     alternate = Alternate(raw, raw_batches, count_step=steps)
     cls = planned_gpt_class() if spec["strategy"] == "lightning_model_parallel" else None
     model = _new_model(cfg["model"], cls)
+    # As lp-train runs every strategy: with GracefulStop, whose stop agreement (every ~1 s) stands in for
+    # Lightning's broadcast of its SIGTERM flag before every step.
+    from lightning_parallel.callbacks.graceful_stop import GracefulStop
+
+    stop = GracefulStop(tempfile.mkdtemp(prefix="lp-bench-stop-"))
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps + 1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False, num_sanity_val_steps=0,
-                         callbacks=[alternate])
+                         callbacks=[alternate, stop])
     alternate.fit_called = time.perf_counter()
     trainer.fit(model, train_dataloaders=loader(train, per_rank, dp, dp_rank))
     val_loader = loader(val, per_rank, dp, dp_rank)

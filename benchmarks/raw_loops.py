@@ -193,17 +193,23 @@ class RawFSDP2(RawLoop):
         rank: global rank.
         world_size: number of ranks.
         reshard_after_forward: True for ZeRO-3 (parameters sharded between uses), False for ZeRO-2.
+        replicate: HSDP's replica groups (a ``(replicate, world / replicate)`` mesh); 1: the flat data mesh.
     """
 
-    def __init__(self, model: nn.Module, rank: int, world_size: int, reshard_after_forward: bool = True) -> None:
+    def __init__(self, model: nn.Module, rank: int, world_size: int, reshard_after_forward: bool = True,
+                 replicate: int = 1) -> None:
         super().__init__(model, rank, world_size)
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward, self.replicate = reshard_after_forward, replicate
 
     def _build(self, strategy: Any) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("data_parallel",))
+        if self.replicate > 1:
+            mesh = init_device_mesh("cpu", (self.replicate, self.world_size // self.replicate),
+                                    mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("data_parallel",))
         for layer in self.model.pipeline_layers():
             if any(True for _ in layer.parameters()):
                 fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward)

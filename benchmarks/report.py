@@ -156,7 +156,9 @@ def render_markdown(results: dict, images: list[str]) -> str:
               "(same model init, data order, AdamW param groups and LR schedule, same mesh/schedule) — A B A B. "
               "Trainer step = time between consecutive `on_train_batch_start` minus the raw step run in between; "
               "raw step includes its `next(loader)`. Medians over timed steps, mean over ranks; overhead = median "
-              "of the paired differences. Target: overhead ≤ max(0.5 ms, 2% of raw).", "",
+              "of the paired differences. Target: overhead ≤ max(0.5 ms, 2% of raw). The Trainer runs as `lp-train` "
+              "runs it, with `GracefulStop` (a stop agreement every ~1 s instead of Lightning's per-step SIGTERM "
+              "broadcast).", "",
               "| layout | raw loop | Trainer ms | raw ms | overhead ms | ratio | target ms | met | loss diff vs raw |",
               "|---|---|---|---|---|---|---|---|---|"]
     for name, r in trainer_rows.items():
