@@ -112,8 +112,24 @@ class RawLoop:
     def _build(self, strategy: Any) -> None:
         self.optimizer, self.scheduler = _optimizer_and_scheduler(self.model)
 
+    # Whether the ranks split the batch: then the loss is the recipe's global token mean (:meth:`_loss`).
+    data_parallel = False
+
+    def _loss(self, output: Tensor, targets: Tensor) -> Tensor:
+        """The loss the recipe's ``training_step`` forms (``GPT.global_token_mean``): on data-parallel ranks each
+        rank's token-loss sum over the mean token count, one all-reduce of (count, sum) per step, so the raw loop
+        does the model's own collective as the Trainer does and the overhead measured is the strategy's."""
+        if not (self.data_parallel and dist.is_initialized() and dist.get_world_size() > 1):
+            return self.model.pipeline_loss(output, targets)
+        total, count = self.model.pipeline_loss_terms(output, targets)
+        means = torch.stack([count.float(), total.detach().float()])
+        dist.all_reduce(means)
+        means /= dist.get_world_size()
+        loss = total / means[0]
+        return loss + (means[1] / means[0] - loss.detach())
+
     def _forward_backward(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        loss = self.model.pipeline_loss(self.model(inputs), targets)
+        loss = self._loss(self.model(inputs), targets)
         loss.backward()
         return loss
 
@@ -162,8 +178,10 @@ class RawDDP(RawLoop):
         self.ddp = nn.parallel.DistributedDataParallel(self.model)
         self.optimizer, self.scheduler = _optimizer_and_scheduler(self.module)
 
+    data_parallel = True
+
     def _forward_backward(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        loss = self.module.pipeline_loss(self.ddp(inputs), targets)
+        loss = self._loss(self.ddp(inputs), targets)
         loss.backward()
         return loss
 
@@ -195,6 +213,8 @@ class RawFSDP2(RawLoop):
         reshard_after_forward: True for ZeRO-3 (parameters sharded between uses), False for ZeRO-2.
         replicate: HSDP's replica groups (a ``(replicate, world / replicate)`` mesh); 1: the flat data mesh.
     """
+
+    data_parallel = True
 
     def __init__(self, model: nn.Module, rank: int, world_size: int, reshard_after_forward: bool = True,
                  replicate: int = 1) -> None:
@@ -275,9 +295,11 @@ class RawDeepSpeed(RawLoop):
             config=config, dist_init_required=False,
         )
 
+    data_parallel = True
+
     def step(self, batch: tuple[Tensor, Tensor]) -> float:
         inputs, targets = batch
-        loss = self.model.pipeline_loss(self.engine(inputs), targets)
+        loss = self._loss(self.engine(inputs), targets)
         self.engine.backward(loss, scale_wrt_gas=False)
         self._capture()
         self.engine.step()

@@ -153,7 +153,9 @@ def render_markdown(results: dict, images: list[str]) -> str:
     anchors = {k: v for k, v in layouts.items() if k.startswith("anchor_")}
     lines += ["## 1. Strategy overhead vs the raw loop it wraps", "",
               "How: in one process group, every Trainer step is followed by one step of a hand-written loop "
-              "(same model init, data order, AdamW param groups and LR schedule, same mesh/schedule) — A B A B. "
+              "(same model init, data order, AdamW param groups and LR schedule, same mesh/schedule, and on "
+              "data-parallel layouts the recipe's global token-mean loss with its one all-reduce per step) — "
+              "A B A B. "
               "Trainer step = time between consecutive `on_train_batch_start` minus the raw step run in between; "
               "raw step includes its `next(loader)`. Medians over timed steps, mean over ranks; overhead = median "
               "of the paired differences. Target: overhead ≤ max(0.5 ms, 2% of raw). The Trainer runs as `lp-train` "

@@ -341,7 +341,8 @@ def _plain_data_axis(module: nn.Module, layout: ParallelLayout, options: Paralle
     """Step 5 where torch's DDP holds the axis (:mod:`.replicated`): after step 7, as DDP needs the storage."""
     if not uses_data_axis(layout, options.zero_stage) or not replicates_plain(layout, options, precision):
         return None
-    return replicate_module(module, data_axis_mesh(layout, options.zero_stage, *meshes), options.bucket_bytes)
+    return replicate_module(module, data_axis_mesh(layout, options.zero_stage, *meshes), options.bucket_bytes,
+                            options.find_unused_parameters)
 
 
 def _check_whole(module: nn.Module, layout: ParallelLayout, options: ParallelOptions,

@@ -18,8 +18,9 @@ Note:
     pipelining torch's ``PipelineStage`` skips the sync of every micro-batch and reduces a
     stage once its last backward is done, while other stages still compute. An average is a
     sum divided by the group size, so the result is exact (1e-8 here). The price: parameters
-    are DTensors on the data mesh, so the optimizer step pays DTensor dispatch (see
-    ``benchmarks/data_axis_comm.py``). What FSDP2 lacks is DDP's communication hooks: bf16
+    are DTensors on the data mesh, so a torch optimizer's step pays DTensor dispatch (see
+    ``benchmarks/data_axis_comm.py``); the strategy steps element-wise optimizers on the local
+    tensors instead (:mod:`.local_step`). What FSDP2 lacks is DDP's communication hooks: bf16
     compression is its ``MixedPrecisionPolicy.reduce_dtype``; PowerSGD has no FSDP2 form.
 
 Note:

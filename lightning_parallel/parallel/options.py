@@ -69,11 +69,9 @@ def as_timeout(value: Union[None, int, float, timedelta]) -> timedelta:
 
 
 def _check_partition(partition: Any) -> Union[str, tuple[int, ...]]:
+    if isinstance(partition, str) and partition not in METHODS:
+        raise ValueError(f"Unknown partition {partition!r}: use one of {METHODS} or cut points such as [3, 5].")
     if isinstance(partition, str):
-        if partition not in METHODS:
-            raise ValueError(
-                f"Unknown partition {partition!r}: use one of {METHODS} or a list of cut points such as [3, 5]."
-            )
         return partition
     if isinstance(partition, Sequence) and all(isinstance(p, int) and not isinstance(p, bool) for p in partition):
         return tuple(partition)
@@ -131,6 +129,9 @@ class ParallelOptions:
         bucket_size_mb: ``zero_stage=0``: consecutive layers share one gradient all-reduce until their
             parameters reach this size (DDP's ``bucket_cap_mb``; None: 25, 0: one per layer under FSDP2, one per
             parameter where the axis is DDP, ``parallel/replicated.py``).
+        find_unused_parameters: where the data axis is DDP (``zero_stage=0`` alone, :mod:`.replicated`), let a step
+            leave parameters without a gradient (DDP's option of that name: a graph walk per step; without it DDP
+            fails the next step). FSDP2's axis needs no such option.
         fsdp_prefetch: ``zero_stage`` 2/3: each layer's FSDP2 unit issues the all-gathers of the next
             ``fsdp_prefetch`` layers of its stage ahead of time (and of the previous ones in backward);
             None: FSDP2's default (the next layer, issued when its own forward or backward starts).
@@ -174,6 +175,7 @@ class ParallelOptions:
     data_shard_size: Optional[int] = None
     comm_hook: str = "none"
     bucket_size_mb: Optional[float] = None
+    find_unused_parameters: bool = False
     fsdp_prefetch: Optional[int] = None
     offload: str = "none"
     context_parallel_size: Size = 1
@@ -339,7 +341,7 @@ class ParallelOptions:
                 self.loss_parallel, repr(self.plan), self.activation_checkpointing, self.param_dtype, self.reduce_dtype,
                 self.data_replicate_size, self.data_shard_size, self.bucket_size_mb, self.fsdp_prefetch,
                 self.offload, self.context_parallel_size, self.context_parallel_method, self.expert_parallel_size,
-                self.compile)
+                self.compile, self.find_unused_parameters)
 
 
 def option_names() -> tuple[str, ...]:

@@ -50,7 +50,8 @@ def replicates_plain(layout: ParallelLayout, options: ParallelOptions, precision
             and fsdp_policy(precision, options, layout) is None)
 
 
-def replicate_module(module: nn.Module, dp_mesh: DeviceMesh, bucket_bytes: int) -> DistributedDataParallel:
+def replicate_module(module: nn.Module, dp_mesh: DeviceMesh, bucket_bytes: int,
+                     find_unused_parameters: bool = False) -> DistributedDataParallel:
     """Wrap ``module`` (materialised, on its device) in DDP over ``dp_mesh``'s replicated dimension.
 
     DDP broadcasts rank 0's parameters and buffers once here, so replicas start equal even from an unseeded
@@ -60,6 +61,7 @@ def replicate_module(module: nn.Module, dp_mesh: DeviceMesh, bucket_bytes: int) 
         module: the whole model (the ``LightningModule``), this rank's copy.
         dp_mesh: the data mesh ``data_axis_mesh`` gives: 1-D, or ``(data_replicate, data_shard)`` with shards of 1.
         bucket_bytes: DDP's bucket size (``ParallelOptions.bucket_bytes``; 0: one bucket per parameter).
+        find_unused_parameters: DDP's option (``ParallelOptions.find_unused_parameters``).
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -68,7 +70,7 @@ def replicate_module(module: nn.Module, dp_mesh: DeviceMesh, bucket_bytes: int) 
     return DistributedDataParallel(
         module, device_ids=[device.index] if device is not None and device.type == "cuda" else None,
         process_group=group, bucket_cap_mb=max(bucket_bytes, 1) / 2**20, forward_sync_buffers=False,
-        gradient_as_bucket_view=True,
+        gradient_as_bucket_view=True, find_unused_parameters=find_unused_parameters,
     )
 
 

@@ -227,6 +227,16 @@ def _dtensor_params(shape: ModelShape, c: Candidate, layers: list[int]) -> int:
     return count
 
 
+def _optimizer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, layers: list[int], states: float) -> float:
+    """The optimizer step's seconds on a rank at full speed: its ``states`` bytes read and written, the DTensor
+    dispatch of its parameters, and DeepSpeed's engine per byte of the replica."""
+    seconds = 2 * states / cluster.memory_bandwidth + cluster.dtensor_param_overhead * _dtensor_params(shape, c, layers)
+    if c.engine == "deepspeed":
+        seconds += cluster.deepspeed_overhead_per_byte * shape.param_bytes * sum(shape.layers[i].num_params
+                                                                                for i in layers)
+    return seconds
+
+
 @lru_cache(maxsize=4096)
 def _simulate(schedule: str, pp: int, v: int, m: int, fwd: tuple[float, ...], bwd: tuple[float, ...],
               act: tuple[float, ...], transfer: float) -> Simulated:
@@ -272,11 +282,7 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate) -> Prediction:
         layers = [i for s in rank_stages for i in s]
         params, grads, optim = state_bytes(shape, c, layers)
         per_batch, sync = _rank_data_axis(shape, cluster, c, layers, params)
-        optimizer = slowdown * 2 * (params + grads + optim) / cluster.memory_bandwidth
-        optimizer += slowdown * cluster.dtensor_param_overhead * _dtensor_params(shape, c, layers)
-        if c.engine == "deepspeed":
-            replica = shape.param_bytes * sum(shape.layers[i].num_params for i in layers)
-            optimizer += slowdown * cluster.deepspeed_overhead_per_byte * replica
+        optimizer = slowdown * _optimizer_seconds(shape, cluster, c, layers, params + grads + optim)
         rank_step = c.accumulate * (batch_time + per_batch) + sync + optimizer
         if rank_step > step:
             step, comm = rank_step, c.accumulate * per_batch + sync

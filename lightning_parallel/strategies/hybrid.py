@@ -34,6 +34,7 @@ from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout
 from lightning_parallel.parallel.compose import Parallelized, check_module, parallelize
 from lightning_parallel.parallel.data import deferred_gradient_sync
 from lightning_parallel.parallel.experts.sharded import reduce_expert_gradients
+from lightning_parallel.parallel.local_step import step_on_local_shards
 from lightning_parallel.parallel.materialize import Materialization
 from lightning_parallel.parallel.options import ParallelOptions, options_from
 from lightning_parallel.parallel.pipeline import tied as pipeline_tied
@@ -223,11 +224,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            split = self.parallelized.split
+            optimizers, split = [_unwrap(o) for o in self.optimizers], self.parallelized.split
+            step_on_local_shards(optimizers)  # element-wise updates of DTensor parameters on their local tensors
             if split is not None and split.shared:  # the same on every rank: a safe collective
-                pipeline_tied.check_tied_optimizer_groups(
-                    self.lightning_module, self.parallelized.tied, [_unwrap(o) for o in self.optimizers]
-                )
+                pipeline_tied.check_tied_optimizer_groups(self.lightning_module, self.parallelized.tied, optimizers)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)

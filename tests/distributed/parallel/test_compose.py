@@ -3,7 +3,8 @@
 Each rank trains the single-process reference itself first (on CPU with one thread it is
 bit-for-bit a separate one-process run), then a copy parallelised by
 :func:`lightning_parallel.parallel.compose.parallelize`, driven by raw torch loops: the
-pipeline runner when the module was cut into stages, ``module(x)`` otherwise.
+pipeline runner when the module was cut into stages, ``module(x)`` otherwise -- through the DDP wrapper
+``parallelize`` returns where ZeRO 0 is the only axis (``result.replicated``), as the strategy does.
 """
 
 from __future__ import annotations
@@ -68,12 +69,13 @@ def _train_parallel(
     for inputs, targets in batches(STEPS):
         inputs, targets = _data_shard(inputs, targets, layout, rank)
         optimizer.zero_grad()
-        # FSDP2 averages over the data axis during backward; the negative control never lets it.
-        with deferred_gradient_sync(module, zero_stage, hsdp=False) if not average else contextlib.nullcontext():
+        # FSDP2 or DDP averages over the data axis during backward; the negative control never lets it.
+        forward = result.replicated or module
+        with deferred_gradient_sync(forward, zero_stage, hsdp=False) if not average else contextlib.nullcontext():
             if runner is not None:
                 loss = runner.train_step(inputs, targets)
             else:
-                loss = module.pipeline_loss(module(inputs), targets)
+                loss = module.pipeline_loss(forward(inputs), targets)
                 loss.backward()
         clip_grad_norm_(list(module.parameters()), 0.5, pipeline_group=pp_group)
         optimizer.step()
