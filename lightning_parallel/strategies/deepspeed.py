@@ -63,6 +63,7 @@ from lightning_parallel.strategies.deepspeed_config import (
     resolve_zero_stage,
 )
 from lightning_parallel.strategies.deepspeed_init import use_deepspeed_accelerator
+from lightning_parallel.strategies.reduction import ReduceWithoutBarrier
 from lightning_parallel.strategies.resolved_adapter import resolved_adapter
 
 # Names registered by DeepSpeedDataParallelStrategy.register_strategies -> constructor arguments.
@@ -125,7 +126,7 @@ class _AutocastDeepSpeedPrecision(DeepSpeedPrecision):
         return data
 
 
-class DeepSpeedDataParallelStrategy(DeepSpeedStrategy):
+class DeepSpeedDataParallelStrategy(ReduceWithoutBarrier, DeepSpeedStrategy):
     """DeepSpeed ZeRO data parallelism that runs on CPU (gloo) as well as CUDA (NCCL).
 
     Lightning's ``DeepSpeedStrategy`` with the CUDA-only restriction lifted. The batch

@@ -51,6 +51,7 @@ from lightning_parallel.strategies.hybrid_checkpoints import (
 )
 from lightning_parallel.strategies.layer_timing import agreed_layer_times
 from lightning_parallel.strategies.meshes import RunMeshes
+from lightning_parallel.strategies.reduction import ReduceWithoutBarrier
 from lightning_parallel.strategies.resolved_adapter import resolved_adapter
 from lightning_parallel.strategies.resume_order import resumed_shuffle_notice
 from lightning_parallel.strategies.timeouts import CollectiveTimeout, names_timeouts
@@ -63,7 +64,7 @@ _SIZE_NAMES = {"data_parallel": "data_parallel_size", "pipeline_parallel": "pipe
                "expert_parallel": "expert_parallel_size"}
 
 
-class HybridParallelStrategy(ModelParallelStrategy):
+class HybridParallelStrategy(ReduceWithoutBarrier, ModelParallelStrategy):
     """Data x pipeline x tensor parallelism for modules that follow the suite's protocol.
 
     Ranks form a mesh ``(data_parallel, pipeline_parallel, tensor_parallel)``, tensor
@@ -357,9 +358,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def block_backward_sync(self) -> Iterator[None]:
         """Lightning's accumulation micro-steps: no data-axis reduction until the window's last backward.
 
-        See :func:`~lightning_parallel.parallel.data.deferred_gradient_sync` (what each ZeRO stage skips).
-        Under pipelining torch's ``PipelineStage`` re-enables the sync at every schedule's end, so
-        there each accumulated batch is reduced (still exact); raise ``microbatches`` instead.
+        See :func:`~lightning_parallel.parallel.data.deferred_gradient_sync` (what each ZeRO stage skips). Under
+        pipelining ``PipelineStage`` syncs at every schedule's end (still exact); raise ``microbatches`` instead.
         """
         with deferred_gradient_sync(self.model, self.options.zero_stage, self.layout.hsdp_enabled):
             yield
