@@ -98,10 +98,9 @@ def _storage_key(t: torch.Tensor) -> int:
 def _build(rank: int, world_size: int, sizes: tuple, zero_stage: int, mode: str, dropout: float) -> tuple:
     """One GPT parallelised for ``mode``: ``(module, step function, optimizer)``."""
     from examples.nlp.model import GPT
-    from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout
+    from lightning_parallel.layout import ParallelLayout
     from lightning_parallel.parallel.compose import parallelize
     from lightning_parallel.parallel.options import ParallelOptions
-    from lightning_parallel.parallel.pipeline.runner import PipelineRunner
 
     layout = ParallelLayout(world_size, *sizes)
     mesh = layout.build_mesh("cpu")
@@ -110,19 +109,32 @@ def _build(rank: int, world_size: int, sizes: tuple, zero_stage: int, mode: str,
     torch.manual_seed(0)
     module = GPT(**{**MODEL, "dropout": dropout}).build()
     result = parallelize(module, layout, mesh, options, rank)
-    if result.pipelined:
-        runner = PipelineRunner(result.stages, result.stage_ids, result.num_stages, options.schedule, MICROBATCHES,
-                                loss_fn=module.pipeline_loss, device=torch.device("cpu"),
-                                group=mesh[PIPELINE_PARALLEL].get_group(), last_stage_rank=result.last_stage_rank)
-        step = runner.train_step
-    else:
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = module.pipeline_loss(module(x), y)
-            loss.backward()
-            return loss
+    step = raw_train_step(module, result, mesh)
     share = BATCH // layout.data_parallel
     start = layout.coordinates(rank).data * share
     return module, step, torch.optim.AdamW(module.parameters(), lr=1e-3), slice(start, start + share)
+
+
+def raw_train_step(module: torch.nn.Module, result: Any, mesh: Any) -> Any:
+    """``(x, y) -> loss`` running forward and backward of a parallelised module: the pipeline runner (cpu, its
+    options' schedule and micro-batches) when it was cut into stages, else ``module`` itself (``result``: what
+    :func:`~lightning_parallel.parallel.compose.parallelize` returned; ``mesh``: the run's mesh)."""
+    from lightning_parallel.layout import PIPELINE_PARALLEL
+    from lightning_parallel.parallel.pipeline.runner import PipelineRunner
+
+    if result.pipelined:
+        options = result.options
+        return PipelineRunner(result.stages, result.stage_ids, result.num_stages, options.schedule,
+                              options.microbatches, loss_fn=module.pipeline_loss, device=torch.device("cpu"),
+                              group=mesh[PIPELINE_PARALLEL].get_group(),
+                              last_stage_rank=result.last_stage_rank).train_step
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = module.pipeline_loss(module(x), y)
+        loss.backward()
+        return loss
+
+    return step
 
 
 def _rank(rank: int, world_size: int, sizes: tuple, zero_stage: int, steps: int, dropout: float) -> dict:

@@ -33,11 +33,11 @@ BATCH, MICROBATCHES, WARMUP = 16, 4, 2
 
 def _build(rank: int, world_size: int, sizes: tuple, compiled: bool) -> tuple:
     """One GPT parallelised eager or compiled: ``(module, step function, optimizer)``."""
+    from benchmarks.activation_memory import raw_train_step
     from examples.nlp.model import GPT
-    from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout
+    from lightning_parallel.layout import ParallelLayout
     from lightning_parallel.parallel.compose import parallelize
     from lightning_parallel.parallel.options import ParallelOptions
-    from lightning_parallel.parallel.pipeline.runner import PipelineRunner
 
     layout = ParallelLayout(world_size, *sizes)
     mesh = layout.build_mesh("cpu")
@@ -45,17 +45,7 @@ def _build(rank: int, world_size: int, sizes: tuple, compiled: bool) -> tuple:
     torch.manual_seed(0)
     module = GPT(**MODEL).build()
     result = parallelize(module, layout, mesh, options, rank)
-    if result.pipelined:
-        runner = PipelineRunner(result.stages, result.stage_ids, result.num_stages, options.schedule, MICROBATCHES,
-                                loss_fn=module.pipeline_loss, device=torch.device("cpu"),
-                                group=mesh[PIPELINE_PARALLEL].get_group(), last_stage_rank=result.last_stage_rank)
-        step = runner.train_step
-    else:
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = module.pipeline_loss(module(x), y)
-            loss.backward()
-            return loss
-    return module, step, torch.optim.AdamW(module.parameters(), lr=1e-3)
+    return module, raw_train_step(module, result, mesh), torch.optim.AdamW(module.parameters(), lr=1e-3)
 
 
 def _rank(rank: int, world_size: int, sizes: tuple, steps: int) -> dict:
