@@ -1,6 +1,6 @@
 """``Strategy.reduce`` without the barrier Lightning puts before every all-reduce.
 
-Lightning's reduction (``lightning.fabric.utilities.distributed._sync_ddp``, behind every built-in
+Lightning's reduction (in ``lightning.fabric.utilities.distributed``, behind every built-in
 strategy's ``reduce``) calls ``torch.distributed.barrier`` and then ``all_reduce``. The all-reduce
 synchronises the ranks by itself, so the barrier is a second collective per call -- on gloo a round
 trip as long as the all-reduce of a scalar -- and a model that reduces in its step pays it every step:
