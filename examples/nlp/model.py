@@ -257,7 +257,8 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
         parallelism does, then gives the gradient of ``sum(token losses) / N``, the
         single-process loss, however padding splits the tokens among ranks. The mean over all
         ranks of the per-rank count is ``N / data_parallel_size`` also under tensor
-        parallelism (tensor peers hold the same batch), so no layout needs to be known. The
+        parallelism (tensor peers hold the same batch), so a strategy that names no loss group
+        reduces over every rank. The
         returned value is the global mean on every rank; its gradient is this rank's share.
         """
         inputs, targets = batch
@@ -265,8 +266,13 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
         if hasattr(total, "full_tensor"):  # a replicated DTensor under loss parallelism
             total = total.full_tensor()
         # One all-reduce for both means: the per-rank token count (the weighting) and the token-loss sum (the logged
-        # value, mean_r(total_r / c) = mean_r(total_r) / c), not one for each.
-        means = self.trainer.strategy.reduce(torch.stack([count.float(), total.detach().float()]), reduce_op="mean")
+        # value, mean_r(total_r / c) = mean_r(total_r) / c), not one for each; over the ranks whose batches differ
+        # where the strategy says which (the suite's loss group, data x context: none under tensor parallelism
+        # alone), else over every rank.
+        strategy, stats = self.trainer.strategy, torch.stack([count.float(), total.detach().float()])
+        loss_group = getattr(strategy, "loss_group", None)
+        group, size = loss_group() if callable(loss_group) else (None, strategy.world_size)
+        means = strategy.reduce(stats, group=group, reduce_op="mean") if size > 1 else stats
         loss = total / means[0].to(total.dtype)
         return loss + ((means[1] / means[0]).to(loss.dtype) - loss.detach())
 
