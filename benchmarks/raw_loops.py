@@ -121,12 +121,13 @@ class RawLoop:
         does the model's own collective as the Trainer does and the overhead measured is the strategy's."""
         if not (self.data_parallel and dist.is_initialized() and dist.get_world_size() > 1):
             return self.model.pipeline_loss(output, targets)
-        total, count = self.model.pipeline_loss_terms(output, targets)
-        means = torch.stack([count.float(), total.detach().float()])
-        dist.all_reduce(means)
-        means /= dist.get_world_size()
-        loss = total / means[0]
-        return loss + (means[1] / means[0] - loss.detach())
+        from examples.nlp.model import token_mean
+
+        def world_mean(t: Tensor) -> Tensor:
+            dist.all_reduce(t)
+            return t.div_(dist.get_world_size())
+
+        return token_mean(*self.model.pipeline_loss_terms(output, targets), world_mean)
 
     def _forward_backward(self, inputs: Tensor, targets: Tensor) -> Tensor:
         loss = self._loss(self.model(inputs), targets)

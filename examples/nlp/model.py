@@ -71,6 +71,21 @@ class LMHead(nn.Module):
         return self.proj(self.norm(x))
 
 
+def token_mean(total: Tensor, count: Tensor, mean: Callable[[Tensor], Tensor]) -> Tensor:
+    """``total / mean(count)``, valued at the global token mean ``mean(total) / mean(count)`` (see
+    ``GPT.global_token_mean``); ``mean`` averages a tensor over the ranks whose batches differ, called once on the
+    count and the sum together.
+
+    Args:
+        total: this rank's token-loss sum.
+        count: this rank's tokens carrying a loss.
+        mean: the cross-rank mean (identity on one rank).
+    """
+    means = mean(torch.stack([count.float(), total.detach().float()]))
+    loss = total / means[0].to(total.dtype)
+    return loss + ((means[1] / means[0]).to(loss.dtype) - loss.detach())
+
+
 class GPT(BuildsInConfigureModel, pl.LightningModule):
     """A small decoder-only transformer language model following the suite's module protocol.
 
@@ -269,12 +284,10 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
         # value, mean_r(total_r / c) = mean_r(total_r) / c), not one for each; over the ranks whose batches differ
         # where the strategy says which (the suite's loss group, data x context: none under tensor parallelism
         # alone), else over every rank.
-        strategy, stats = self.trainer.strategy, torch.stack([count.float(), total.detach().float()])
+        strategy = self.trainer.strategy
         loss_group = getattr(strategy, "loss_group", None)
         group, size = loss_group() if callable(loss_group) else (None, strategy.world_size)
-        means = strategy.reduce(stats, group=group, reduce_op="mean") if size > 1 else stats
-        loss = total / means[0].to(total.dtype)
-        return loss + ((means[1] / means[0]).to(loss.dtype) - loss.detach())
+        return token_mean(total, count, lambda t: strategy.reduce(t, group=group, reduce_op="mean") if size > 1 else t)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         blocks = moe_blocks(self)
