@@ -120,6 +120,9 @@ class ReplicaGroups:
         elif self._local_sgd:
             # A fresh start commits its quorum at once: the manager's step then counts meetings from 1, so the
             # first meeting does not take every group for a new one (torchft heals every group at step 0).
+            # The commit closes this group's checkpoint server, and nothing else in a local step waits for the
+            # groups healing from it: a collective they join only once healed keeps it open until they hold it.
+            self.manager.allreduce(torch.zeros(1, device=strategy.root_device)).wait()
             self.manager.should_commit()
 
     def close(self) -> None:

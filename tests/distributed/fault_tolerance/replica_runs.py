@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,25 @@ def replica_rank(rank: int, world_size: int, layout: str, steps: int, faults: tu
     return {"local": module_state(model), "full": full_state(model), "records": recorder.records,
             "incarnation": incarnation(), "group": int(os.environ["REPLICA_GROUP_ID"]),
             "global_step": trainer.global_step, "failed_commits": strategy.replica_groups.failed_commits}
+
+
+def slow_healing_replica_rank(rank: int, world_size: int, *args: Any, heal_delay: float = 2.0,
+                              **kwargs: Any) -> dict[str, Any]:
+    """:func:`replica_rank` where group 1 fetches checkpoints ``heal_delay`` seconds late, as on a loaded machine.
+
+    At step 0 torchft heals group 1's rank 0 from group 0 and group 0's rank 1 from group 1; group 0 may then
+    commit while group 1's rank 0 is still to fetch: its server must keep serving until that fetch is done."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    receive = HTTPTransport.recv_checkpoint
+
+    def late_receive(self: Any, *a: Any, **k: Any) -> Any:
+        time.sleep(heal_delay)
+        return receive(self, *a, **k)
+
+    if os.environ["REPLICA_GROUP_ID"] == "1":
+        HTTPTransport.recv_checkpoint = late_receive
+    return replica_rank(rank, world_size, *args, **kwargs)
 
 
 def reference_run(records_by_group: list[list[dict[str, Any]]], replicas: int, lead: int = 0,
