@@ -172,11 +172,23 @@ class RawSingle(RawLoop):
 
 
 class RawDDP(RawLoop):
-    """``torch.nn.parallel.DistributedDataParallel`` with its defaults (what Lightning's ``ddp`` wraps)."""
+    """``torch.nn.parallel.DistributedDataParallel`` with its defaults (what Lightning's ``ddp`` wraps).
+
+    Args:
+        model: the seeded model.
+        rank: global rank.
+        world_size: number of ranks.
+        bucket_view: ``gradient_as_bucket_view=True`` (gradients live in DDP's buckets, as the hybrid strategy's
+            ``zero_stage=0`` data axis builds it).
+    """
+
+    def __init__(self, model: nn.Module, rank: int, world_size: int, bucket_view: bool = False) -> None:
+        super().__init__(model, rank, world_size)
+        self.bucket_view = bucket_view
 
     def _build(self, strategy: Any) -> None:
         self.module = self.model
-        self.ddp = nn.parallel.DistributedDataParallel(self.model)
+        self.ddp = nn.parallel.DistributedDataParallel(self.model, gradient_as_bucket_view=self.bucket_view)
         self.optimizer, self.scheduler = _optimizer_and_scheduler(self.module)
 
     data_parallel = True
