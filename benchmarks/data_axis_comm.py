@@ -4,11 +4,15 @@
 residual MLP with raw loops over :func:`~lightning_parallel.parallel.compose.parallelize` and
 compares, on the same ranks and batches:
 
-* ``dp4 overlap``: ``zero_stage=0`` on FSDP2 -- gradients all-reduced during backward in DDP's
-  25 MB buckets of layers (``, per layer``: ``bucket_size_mb=0``, one all-reduce per layer);
+* ``dp4 overlap``: ``zero_stage=0`` as :func:`parallelize` builds it alone, torch's DDP -- gradients
+  all-reduced during backward in 25 MB buckets (``, per layer``: ``bucket_size_mb=0``); DDP's reducer
+  calls the process group from C++, so these two rows count no bytes (they move what the FSDP2 row moves);
+* ``dp4 overlap, FSDP2``: the same axis on FSDP2 (a 4 x 1 mesh, buckets of layers), the form it takes
+  beside a pipeline and took alone before;
 * ``dp4 after backward``: the same replicas, gradients all-reduced in one flat bucket once
   backward has returned (the hand-written reduction this suite used before; overlap off);
-* ``dp4 zero2``: FSDP2 sharding over the whole data axis;
+* ``dp4 zero2``: FSDP2 sharding over the whole data axis, one unit per layer (``, 25 MB units``:
+  ``bucket_size_mb=25``, layers grouped into units of that size: fewer all-gathers and reduce-scatters);
 * ``hsdp 2x2 zero2``: FSDP2 sharding within pairs, all-reduce across them.
 
 Measured per layout, per rank, then the median over ranks:
@@ -49,8 +53,10 @@ COUNTED = {"all_reduce": (0, "tensor"), "all_gather_single": (1, "input_tensor")
 LAYOUTS = {
     "dp4 overlap": {"zero_stage": 0},
     "dp4 overlap, per layer": {"zero_stage": 0, "bucket_size_mb": 0},
+    "dp4 overlap, FSDP2": {"zero_stage": 0, "fsdp2": True},
     "dp4 after backward": {"zero_stage": 0, "after_backward": True},
     "dp4 zero2": {"zero_stage": 2},
+    "dp4 zero2, 25 MB units": {"zero_stage": 2, "bucket_size_mb": 25},
     "hsdp 2x2 zero2": {"zero_stage": 2, "data_replicate": 2},
 }
 
@@ -113,16 +119,26 @@ def _build(rank: int, spec: dict, width: int, depth: int) -> dict:
     torch.manual_seed(0)
     module = ResidualMLP(width=width, depth=depth)
     group = mesh[DATA_PARALLEL].get_group() if spec.get("after_backward") else None
-    if spec.get("zero_stage") is not None and group is None:
+    wrapper = module
+    if spec.get("fsdp2"):  # the FSDP2 form of zero_stage=0 (what parallelize built alone before; beside a pipeline now)
+        from lightning_parallel.parallel.data import data_axis_mesh, shard_data_axis
+
+        stage = spec["zero_stage"]
+        dp_mesh = data_axis_mesh(layout, stage, mesh, build_data_mesh(layout, mesh, stage))
+        shard_data_axis(module.pipeline_layers(), [module], dp_mesh, stage,
+                        bucket_bytes=int(spec.get("bucket_size_mb", 25) * 2**20))
+    elif spec.get("zero_stage") is not None and group is None:
         data_mesh = build_data_mesh(layout, mesh, spec["zero_stage"])
         options = ParallelOptions(data_parallel_size=world, zero_stage=spec["zero_stage"],
                                   bucket_size_mb=spec.get("bucket_size_mb"))
-        parallelize(module, layout, mesh, options, rank, data_mesh=data_mesh)
+        # Alone, zero_stage=0 is torch's DDP around the module: the step runs through that wrapper.
+        wrapper = parallelize(module, layout, mesh, options, rank, data_mesh=data_mesh).replicated or module
     axes = {DATA_PARALLEL: tuple(layout.group_ranks(DATA_PARALLEL, rank))}
     if layout.hsdp_enabled:
         axes.update({a: tuple(layout.group_ranks(a, rank)) for a in (DATA_SHARD, DATA_REPLICATE)})
     return {
         "module": module,
+        "forward": wrapper,
         "optimizer": torch.optim.AdamW(module.parameters(), lr=1e-3),
         "group": group,
         "axes": axes,
@@ -133,7 +149,7 @@ def _step(run: dict, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """(forward + backward + gradient reduction, optimizer step) seconds of one step of ``run``."""
     module, optimizer = run["module"], run["optimizer"]
     start = time.perf_counter()
-    module.pipeline_loss(module(x), y).backward()
+    module.pipeline_loss(run["forward"](x), y).backward()
     if run["group"] is not None:
         _flat_all_reduce(module, run["group"])
     middle = time.perf_counter()

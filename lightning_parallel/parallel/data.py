@@ -154,7 +154,7 @@ def shard_data_axis(
             (as DDP fills its buckets); 0: one unit per layer.
         prefetch: each layer prefetches the all-gathers of this many following layers of its
             root in forward, and of as many preceding ones in backward (see :func:`set_prefetch`);
-            None: FSDP2's default. Needs one unit per layer (``bucket_bytes=0``, as under ZeRO 2/3).
+            None: FSDP2's default. Needs one unit per layer (``bucket_bytes=0``, ZeRO 2/3's default).
         offload: ``"none"`` or ``"params"`` (:func:`offload_policy`; ``ParallelOptions.offload``).
         ignored: parameters FSDP2 leaves alone (experts: reduced over the expert-data group instead).
     """

@@ -128,7 +128,9 @@ class ParallelOptions:
             :mod:`lightning_parallel.strategies.ddp_comm`).
         bucket_size_mb: ``zero_stage=0``: consecutive layers share one gradient all-reduce until their
             parameters reach this size (DDP's ``bucket_cap_mb``; None: 25, 0: one per layer under FSDP2, one per
-            parameter where the axis is DDP, ``parallel/replicated.py``).
+            parameter where the axis is DDP, ``parallel/replicated.py``). ``zero_stage=2``: layers join one FSDP2
+            unit up to this size, fewer collectives at no parameter memory (ZeRO 2 holds them gathered from forward
+            to backward anyway); None: one per layer.
         find_unused_parameters: where the data axis is DDP (``zero_stage=0`` alone, :mod:`.replicated`), let a step
             leave parameters without a gradient (DDP's option of that name: a graph walk per step; without it DDP
             fails the next step). FSDP2's axis needs no such option.
@@ -196,9 +198,8 @@ class ParallelOptions:
                     f"{flag}=True needs tensor_parallel_size > 1 (it shards over the tensor group), but "
                     f"tensor_parallel_size=1: set tensor_parallel_size >= 2, or {flag}=False."
                 )
-        # Only what holds for any world here: micro-batches against the pipeline size are checked
-        # once the world is known (check_module), after the sizes are checked against it, so that a
-        # size too large for the world is reported as that and not as too few micro-batches.
+        # Only what holds for any world here: micro-batches against the pipeline size are checked once the world
+        # is known (check_module), after the sizes, so a size too large for the world is reported as that.
         validate_schedule(self.schedule, 1, self.stages_per_rank, self.microbatches)
         object.__setattr__(self, "partition", _check_partition(plain(self.partition)))
         object.__setattr__(self, "plan", plain(self.plan))
@@ -210,11 +211,9 @@ class ParallelOptions:
         check_dtype_option("param_dtype", self.param_dtype, allow_none=True)
         self._apply_comm_hook()
         check_dtype_option("reduce_dtype", self.reduce_dtype, allow_none=False)
-        self._check_data_split()
-        self._check_bucket()
-        self._check_prefetch()
-        self._check_offload()
-        self._check_context()
+        for check in (self._check_data_split, self._check_bucket, self._check_prefetch, self._check_offload,
+                      self._check_context):
+            check()
 
     def _apply_comm_hook(self) -> None:
         refused = {
@@ -239,12 +238,14 @@ class ParallelOptions:
             return
         if isinstance(size, bool) or not isinstance(size, (int, float)) or size < 0:
             raise ValueError(f"bucket_size_mb={size!r} must be a number >= 0 (megabytes; 0: one all-reduce per layer).")
-        if self.zero_stage:
+        if self.zero_stage == 3:
             raise ValueError(
-                f"bucket_size_mb={size} groups layers into one all-reduce under zero_stage=0; with zero_stage="
-                f"{self.zero_stage} FSDP2 gathers and reduce-scatters one layer at a time (a bigger unit holds more "
-                "gathered parameters). Drop bucket_size_mb, or use zero_stage=0."
+                f"bucket_size_mb={size} groups layers into one FSDP2 unit, but zero_stage=3 gathers each unit again "
+                "in backward: a bigger unit holds more gathered parameters. Drop bucket_size_mb, or use zero_stage=2 "
+                "(parameters stay gathered from forward to backward there anyway) or 0."
             )
+        if self.zero_stage and size and self.fsdp_prefetch:  # (validated in _check_prefetch)
+            raise ValueError(f"fsdp_prefetch counts layers, bucket_size_mb={size} groups them into units: drop one.")
 
     def _check_prefetch(self) -> None:
         depth = self.fsdp_prefetch
@@ -290,15 +291,14 @@ class ParallelOptions:
 
     @property
     def bucket_bytes(self) -> int:
-        """Bytes of one data-axis gradient bucket (DDP's default 25 MB under ``zero_stage=0``; ZeRO 2/3: per layer)."""
+        """Bytes of one data-axis unit (DDP's default 25 MB under ``zero_stage=0``; else 0, one per layer)."""
         if self.zero_stage:
-            return 0
+            return int((self.bucket_size_mb or 0) * 2**20)
         return int((25 if self.bucket_size_mb is None else self.bucket_size_mb) * 2**20)
 
     def _check_data_split(self) -> None:
-        split = {
-            n: getattr(self, n) for n in ("data_replicate_size", "data_shard_size") if getattr(self, n) is not None
-        }
+        names = ("data_replicate_size", "data_shard_size")
+        split = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         for name, value in split.items():
             if value == "auto":
                 raise ValueError(f"{name}='auto' is not supported: give a size, or leave it None (derived).")
@@ -354,8 +354,7 @@ def option_names() -> tuple[str, ...]:
 def _unknown_option_error(owner: str, unknown: Sequence[str], also: Sequence[str]) -> ValueError:
     import difflib
 
-    valid = [*option_names(), *also]
-    hints = []
+    valid, hints = [*option_names(), *also], []
     for name in unknown:
         close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
         hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))

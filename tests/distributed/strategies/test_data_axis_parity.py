@@ -47,7 +47,9 @@ def _case(strategy, data_parallel, trainer_kwargs):
 
 
 def test_replicated_data_parallel_on_two_processes_matches_one_process():
-    cases = {"dp2": _case(Hybrid, 2, CLIP), "dp2/accumulate2": _case(Hybrid, 2, ACCUMULATE)}
+    cases = {"dp2": _case(Hybrid, 2, CLIP), "dp2/accumulate2": _case(Hybrid, 2, ACCUMULATE),
+             # ZeRO 2 with layers grouped into FSDP2 units (one all-gather and reduce-scatter per unit)
+             "dp2/zero2/units/accumulate2": _case(partial(Hybrid, zero_stage=2, bucket_size_mb=0.02), 2, ACCUMULATE)}
     control = {"dp2/never-reducing": _case(NeverReducing, 2, CLIP)}
     compressed = {"dp2/comm_hook=bf16": _case(partial(Hybrid, comm_hook="bf16"), 2, CLIP)}
     per_rank = run_processes(fit_cases, 2, {**cases, **control, **compressed}, timeout=600)
@@ -73,6 +75,8 @@ def test_replicated_with_pipeline_or_tensor_and_hsdp_on_four_processes_match_one
                                              stages_per_rank=2), 2, CLIP),
         "dp2xtp2/accumulate2": _case(partial(Hybrid, tensor_parallel_size=2), 2, ACCUMULATE),
         "hsdp2x2/zero2/accumulate2": _case(partial(Hybrid, zero_stage=2, data_shard_size=2), 4, ACCUMULATE),
+        "dp2xpp2/zero2/units": _case(partial(Hybrid, pipeline_parallel_size=2, zero_stage=2, bucket_size_mb=0.02), 2,
+                                     ACCUMULATE),
         "hsdp2x2/zero3": _case(partial(Hybrid, zero_stage=3, data_replicate_size=2), 4, CLIP),
     }
     per_rank = run_processes(fit_cases, 4, cases, timeout=900)

@@ -33,3 +33,17 @@ def test_hydra_containers_become_plain_values():
 def test_bad_options_raise_naming_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ParallelOptions(**kwargs)
+
+
+def test_units_of_layers_under_zero_2_and_what_is_refused():
+    """ZeRO 2 groups layers into FSDP2 units of ``bucket_size_mb`` (parameters stay gathered from forward to backward
+    there anyway); ZeRO 3, which gathers each unit again in backward, keeps one unit per layer; prefetch counts
+    layers, so it cannot meet units of several."""
+    assert ParallelOptions(zero_stage=2).bucket_bytes == 0  # default: one unit per layer
+    assert ParallelOptions(zero_stage=2, bucket_size_mb=25).bucket_bytes == 25 * 2**20
+    assert ParallelOptions(zero_stage=0).bucket_bytes == 25 * 2**20  # DDP's default bucket
+    with pytest.raises(ValueError, match="zero_stage=3 gathers each unit again in backward.*zero_stage=2"):
+        ParallelOptions(zero_stage=3, bucket_size_mb=25)
+    with pytest.raises(ValueError, match="fsdp_prefetch counts layers.*drop one"):
+        ParallelOptions(zero_stage=2, bucket_size_mb=25, fsdp_prefetch=2)
+    assert ParallelOptions(zero_stage=2, bucket_size_mb=0, fsdp_prefetch=2).bucket_bytes == 0
