@@ -117,7 +117,8 @@ def _build(rank: int, world_size: int, sizes: tuple, zero_stage: int, mode: str,
 
 def raw_train_step(module: torch.nn.Module, result: Any, mesh: Any) -> Any:
     """``(x, y) -> loss`` running forward and backward of a parallelised module: the pipeline runner (cpu, its
-    options' schedule and micro-batches) when it was cut into stages, else ``module`` itself (``result``: what
+    options' schedule and micro-batches) when it was cut into stages, its DDP wrapper where the data axis is DDP,
+    else ``module`` itself (``result``: what
     :func:`~lightning_parallel.parallel.compose.parallelize` returned; ``mesh``: the run's mesh)."""
     from lightning_parallel.layout import PIPELINE_PARALLEL
     from lightning_parallel.parallel.pipeline.runner import PipelineRunner
@@ -129,8 +130,10 @@ def raw_train_step(module: torch.nn.Module, result: Any, mesh: Any) -> Any:
                               group=mesh[PIPELINE_PARALLEL].get_group(),
                               last_stage_rank=result.last_stage_rank).train_step
 
+    forward = result.replicated or module  # data alone under ZeRO 0 is torch's DDP: its wrapper reduces gradients
+
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = module.pipeline_loss(module(x), y)
+        loss = module.pipeline_loss(forward(x), y)
         loss.backward()
         return loss
 
