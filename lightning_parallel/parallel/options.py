@@ -30,7 +30,7 @@ ZERO_STAGES = (0, 2, 3)
 
 # What the data axis does at each ZeRO stage (start-up table, docs).
 ZERO_DESCRIPTIONS = {
-    0: "replicated, gradient all-reduce per layer during backward (FSDP2, shard groups of 1)",
+    0: "replicated, gradients all-reduced in buckets of layers during backward (FSDP2, shard groups of 1)",
     2: "FSDP2: gradients + optimizer state sharded",
     3: "FSDP2: parameters, gradients + optimizer state sharded",
 }

@@ -35,6 +35,8 @@ def layout_rows(options: ParallelOptions, layout: ParallelLayout, precision: str
         rows["tensor"] = f"sequence_parallel={o.sequence_parallel}, loss_parallel={o.loss_parallel}"
     plain = replicates_plain(layout, o, precision)
     rows["data"] = (PLAIN_REPLICATION if plain else ZERO_DESCRIPTIONS[o.zero_stage]) + (
+        f"; layers grouped into units of up to {o.bucket_size_mb:g} MB" if o.zero_stage and o.bucket_bytes else ""
+    ) + (
         f"; HSDP {layout.data_replicate} replica groups x {layout.data_shard} shards" if layout.hsdp_enabled else ""
     ) + (f"; offload {o.offload}: {OFFLOAD_DESCRIPTIONS[o.offload]}" if o.offload != "none" else "")
     rows["precision"] = describe_precision(precision, o, layout, "DDP" if plain else "FSDP2")

@@ -1,4 +1,4 @@
-"""The start-up table says which engine holds the data axis and whether blocks are compiled."""
+"""The start-up table says which engine holds the data axis, in what units, and whether blocks are compiled."""
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallel.options import ParallelOptions
@@ -17,3 +17,11 @@ def test_compiled_blocks_get_a_row_naming_the_backend():
     rows = layout_rows(ParallelOptions(data_parallel_size=1, compile=True), ParallelLayout(1, 1, 1, 1), "32-true")
     assert rows["compile"] == "torch.compile per layer, backend inductor"
     assert "compile" not in layout_rows(ParallelOptions(data_parallel_size=1), ParallelLayout(1, 1, 1, 1), "32-true")
+
+
+def test_zero_2_units_of_layers_are_named_in_the_data_row():
+    units = layout_rows(ParallelOptions(data_parallel_size=2, zero_stage=2, bucket_size_mb=25),
+                        ParallelLayout(2, 2, 1, 1), "32-true")
+    assert units["data"] == "FSDP2: gradients + optimizer state sharded; layers grouped into units of up to 25 MB"
+    per_layer = layout_rows(ParallelOptions(data_parallel_size=2, zero_stage=2), ParallelLayout(2, 2, 1, 1), "32-true")
+    assert "units" not in per_layer["data"]
