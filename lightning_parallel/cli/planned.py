@@ -107,6 +107,8 @@ def strategy_node(c: Candidate) -> dict[str, Any]:
         node.update(schedule=c.schedule, stages_per_rank=c.stages_per_rank, microbatches=c.microbatches)
     if c.checkpointing != "none":
         node["activation_checkpointing"] = c.checkpointing
+    if c.units_mb:
+        node["bucket_size_mb"] = c.units_mb
     return node
 
 

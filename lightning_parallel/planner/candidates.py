@@ -69,6 +69,8 @@ class SearchSpace:
         context_sizes: context-parallel sizes to try (None: every divisor of the world; ``(1,)``: none).
         context_methods: context-parallel methods (``ring``, ``ulysses``).
         expert_sizes: expert-parallel sizes to try (None: every divisor of data x context; ``(1,)``: none).
+        zero2_units_mb: FSDP2 unit sizes tried for the hybrid strategy's ZeRO 2 besides one unit per layer
+            (``strategy.bucket_size_mb``: fewer collectives, no parameter memory); empty: per layer only.
     """
 
     zero_stages: tuple[int, ...] = (0, 2, 3)
@@ -82,6 +84,7 @@ class SearchSpace:
     context_sizes: Optional[tuple[int, ...]] = None
     context_methods: tuple[str, ...] = ("ring", "ulysses")
     expert_sizes: Optional[tuple[int, ...]] = None
+    zero2_units_mb: tuple[float, ...] = (25.0,)
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class Candidate:
         cp: context-parallel size (ranks splitting each sequence of a data replica).
         cp_method: ``ring`` or ``ulysses`` (``-`` without context parallelism).
         ep: expert-parallel size (ranks of data x context sharing each MoE module's experts; 1: off).
+        units_mb: hybrid ZeRO 2: layers grouped into FSDP2 units of up to this many MB (0: one per layer).
     """
 
     engine: str
@@ -119,6 +123,7 @@ class Candidate:
     cp: int = 1
     cp_method: str = "-"
     ep: int = 1
+    units_mb: float = 0.0
 
     @property
     def world(self) -> int:
@@ -136,7 +141,8 @@ class Candidate:
         axes = (("dp", self.dp), ("cp", self.cp), ("pp", self.pp), ("tp", self.tp))
         sizes = "x".join(f"{a}{n}" for a, n in axes if n > 1) or "dp1"
         engine = {"deepspeed": f"ds{self.zero}", "ddp": "ddp"}.get(self.engine, f"zero{self.zero}" if self.zero else "")
-        parts = [sizes, self.cp_method if self.cp > 1 else "", f"ep{self.ep}" if self.ep > 1 else "", engine]
+        units = f"u{self.units_mb:g}" if self.units_mb else ""
+        parts = [sizes, self.cp_method if self.cp > 1 else "", f"ep{self.ep}" if self.ep > 1 else "", engine, units]
         if self.pp > 1:
             parts += [self.schedule + (f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""),
                       f"m{self.microbatches}"]
@@ -193,12 +199,15 @@ def _pipeline_settings(space: SearchSpace, pp: int, batch: int) -> tuple[list[tu
     return sorted(set(settings)), reasons
 
 
-def _engines(space: SearchSpace, dp: int, cp: int, pp: int, tp: int, ep: int = 1) -> list[tuple[str, int]]:
-    """(engine, ZeRO stage) pairs: the hybrid strategy's stages where data x context has replicas to shard over,
-    DeepSpeed's and Lightning's DDP on data parallelism alone (without experts sharded)."""
-    engines = [("hybrid", z) for z in space.zero_stages if z == 0 or dp * cp > 1]
+def _engines(space: SearchSpace, dp: int, cp: int, pp: int, tp: int, ep: int = 1) -> list[tuple[str, int, float]]:
+    """(engine, ZeRO stage, unit MB) triples: the hybrid strategy's stages where data x context has replicas to shard
+    over (ZeRO 2 also in units of layers where parity is tested: no context or expert axis), DeepSpeed's and
+    Lightning's DDP on data parallelism alone (without experts sharded)."""
+    engines = [("hybrid", z, 0.0) for z in space.zero_stages if z == 0 or dp * cp > 1]
+    if ("hybrid", 2, 0.0) in engines and cp == ep == 1:
+        engines += [("hybrid", 2, float(mb)) for mb in space.zero2_units_mb if mb]
     if pp == tp == cp == ep == 1 and dp > 1:
-        engines += [("deepspeed", s) for s in space.deepspeed_stages] + ([("ddp", 0)] if space.ddp else [])
+        engines += [("deepspeed", s, 0.0) for s in space.deepspeed_stages] + ([("ddp", 0, 0.0)] if space.ddp else [])
     return engines
 
 
@@ -316,9 +325,9 @@ def _layouts(shape: ModelShape, work: Workload, space: SearchSpace, checkpointin
                 rejected.append(Rejected(f"{label} {schedule}", f"too few layers: {layers} for {pp * v} stages"))
                 continue
             for ep in expert_sizes:
-                for engine, zero in _engines(space, dp, cp, pp, tp, ep):
+                for engine, zero, units in _engines(space, dp, cp, pp, tp, ep):
                     base = Candidate(engine, dp, pp, tp, zero, schedule, v, m, eff.micro_batch_size,
-                                     eff.accumulate_grad_batches, eff.global_batch_size, cp=cp, ep=ep)
+                                     eff.accumulate_grad_batches, eff.global_batch_size, cp=cp, ep=ep, units_mb=units)
                     modes = checkpointing if engine != "ddp" else ("none",)  # strategy=ddp has no checkpointing
                     candidates += [replace(base, checkpointing=ac, cp_method=method)
                                    for method in methods for ac in modes]

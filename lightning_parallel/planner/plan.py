@@ -60,10 +60,11 @@ def make_plan(shape: ModelShape, cluster: Cluster, world: int, work: Workload,
             rejected.append(Rejected(c.name, _does_not_fit(p, shape, cluster), kind="memory"))
         else:
             ranked.append(p)
-    # Ties (equal predictions) go to the simpler layout: fewer axes in use, lower ZeRO stage, no checkpointing.
+    # Ties (equal predictions) go to the simpler layout: fewer axes in use, lower ZeRO stage, per-layer units, no
+    # checkpointing.
     ranked.sort(key=lambda p: (-float(f"{p.throughput:.9g}"),
                                p.candidate.cp * p.candidate.pp * p.candidate.tp * p.candidate.ep,
-                               p.candidate.zero, p.candidate.checkpointing != "none"))
+                               p.candidate.zero, p.candidate.units_mb > 0, p.candidate.checkpointing != "none"))
     return Plan(shape, cluster, world, tuple(ranked), tuple(dict.fromkeys(rejected)))  # one row per distinct refusal
 
 
@@ -89,6 +90,8 @@ def strategy_overrides(c: Candidate) -> list[str]:
         return ["strategy=ddp"]
     out = ["strategy=hybrid", f"strategy.data_parallel_size={c.dp}", f"strategy.pipeline_parallel_size={c.pp}",
            f"strategy.tensor_parallel_size={c.tp}", f"strategy.zero_stage={c.zero}"]
+    if c.units_mb:
+        out.append(f"strategy.bucket_size_mb={c.units_mb:g}")
     if c.cp > 1:
         out += [f"strategy.context_parallel_size={c.cp}", f"strategy.context_parallel_method={c.cp_method}"]
     if c.ep > 1:

@@ -205,7 +205,9 @@ def _data_axis_seconds(
     if c.zero == 0:
         buckets = max(1, int(-(-local_bytes // _BUCKET)))
         return 0.0, all_reduce(link, n, local_bytes) + 2 * (n - 1) * link.latency * (buckets - 1)
-    per_unit = (n - 1) * link.latency * units  # one gather and one reduce-scatter per FSDP unit (layer)
+    if c.units_mb:  # ZeRO 2 in units of layers (strategy.bucket_size_mb): units fill up to that size
+        units = max(1, min(units, int(-(-full_bytes // (c.units_mb * 2**20)))))
+    per_unit = (n - 1) * link.latency * units  # one gather and one reduce-scatter per FSDP unit
     gathers = 2 if c.zero == 3 else 1
     per_batch = gathers * (gather(link, n, full_bytes) + per_unit) + gather(link, n, full_bytes) + per_unit
     return per_batch, 0.0

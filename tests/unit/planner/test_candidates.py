@@ -100,3 +100,31 @@ def test_checkpointing_modes_are_enumerated_when_asked() -> None:
 def test_worlds_without_factors_still_enumerate(world: int) -> None:
     candidates, _ = enumerate_layouts(toy_shape(layers=6, heads=6), world, work(batch=6))
     assert all(c.dp * c.pp * c.tp == world for c in candidates) and candidates
+
+
+def test_zero_2_in_units_of_layers_is_offered_predicted_with_fewer_collectives_and_planned_as_such() -> None:
+    """ZeRO 2 with layers grouped into FSDP2 units (``strategy.bucket_size_mb``) beside one unit per layer: the
+    same memory, one all-gather and reduce-scatter per unit instead of per layer; lp-plan's override line and
+    ``strategy=planned`` both carry the unit size."""
+    from dataclasses import replace
+
+    from hydra.utils import instantiate
+
+    from lightning_parallel.cli import planned
+    from lightning_parallel.planner import load_cluster
+    from lightning_parallel.planner.predict import predict
+    from lightning_parallel.planner.plan import strategy_overrides
+    from lightning_parallel.runtime.config_dir import CONFIG_DIR
+
+    candidates, _ = enumerate_layouts(toy_shape(layers=8), 4, work())
+    units = [c for c in candidates if c.units_mb]
+    assert units and all(c.engine == "hybrid" and c.zero == 2 and c.units_mb == 25 for c in units)
+    per_layer = next(c for c in candidates if c == replace(units[0], units_mb=0.0))
+    cluster = load_cluster("h200_node", CONFIG_DIR)
+    grouped, alone = predict(toy_shape(layers=8), cluster, units[0]), predict(toy_shape(layers=8), cluster, per_layer)
+    assert grouped.comm < alone.comm and grouped.memory.total == alone.memory.total
+    assert "strategy.bucket_size_mb=25" in strategy_overrides(units[0]) and "u25" in units[0].name
+    node = planned.strategy_node(units[0])
+    assert instantiate(node).options.bucket_bytes == 25 * 2**20
+    assert not [c for c in enumerate_layouts(toy_shape(), 4, work(), SearchSpace(zero2_units_mb=()))[0]
+                if c.units_mb]
