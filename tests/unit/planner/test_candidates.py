@@ -112,8 +112,8 @@ def test_zero_2_in_units_of_layers_is_offered_predicted_with_fewer_collectives_a
 
     from lightning_parallel.cli import planned
     from lightning_parallel.planner import load_cluster
-    from lightning_parallel.planner.predict import predict
     from lightning_parallel.planner.plan import strategy_overrides
+    from lightning_parallel.planner.predict import predict
     from lightning_parallel.runtime.config_dir import CONFIG_DIR
 
     candidates, _ = enumerate_layouts(toy_shape(layers=8), 4, work())
