@@ -291,7 +291,7 @@ class ParallelOptions:
 
     @property
     def bucket_bytes(self) -> int:
-        """Bytes of one data-axis unit (DDP's default 25 MB under ``zero_stage=0``; else 0, one per layer)."""
+        """Bytes of one data-axis unit: ``bucket_size_mb`` (None: 25 MB under ``zero_stage=0``, else 0: per layer)."""
         if self.zero_stage:
             return int((self.bucket_size_mb or 0) * 2**20)
         return int((25 if self.bucket_size_mb is None else self.bucket_size_mb) * 2**20)

@@ -201,10 +201,10 @@ def _pipeline_settings(space: SearchSpace, pp: int, batch: int) -> tuple[list[tu
 
 def _engines(space: SearchSpace, dp: int, cp: int, pp: int, tp: int, ep: int = 1) -> list[tuple[str, int, float]]:
     """(engine, ZeRO stage, unit MB) triples: the hybrid strategy's stages where data x context has replicas to shard
-    over (ZeRO 2 also in units of layers where parity is tested: no context or expert axis), DeepSpeed's and
-    Lightning's DDP on data parallelism alone (without experts sharded)."""
+    over (ZeRO 2 also in units of layers), DeepSpeed's and Lightning's DDP on data parallelism alone (without experts
+    sharded)."""
     engines = [("hybrid", z, 0.0) for z in space.zero_stages if z == 0 or dp * cp > 1]
-    if ("hybrid", 2, 0.0) in engines and cp == ep == 1:
+    if ("hybrid", 2, 0.0) in engines:
         engines += [("hybrid", 2, float(mb)) for mb in space.zero2_units_mb if mb]
     if pp == tp == cp == ep == 1 and dp > 1:
         engines += [("deepspeed", s, 0.0) for s in space.deepspeed_stages] + ([("ddp", 0, 0.0)] if space.ddp else [])

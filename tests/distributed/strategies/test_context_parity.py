@@ -30,6 +30,7 @@ def test_two_context_ranks_match_one_process_with_each_method_checkpointed_and_s
     # recomputation replays the context attention (and its communication) in backward
     cases["cp2/ring/checkpointed"] = _gpt(context_parallel_size=2, activation_checkpointing="full")
     cases["cp2/ulysses/zero3"] = _gpt(context_parallel_size=2, context_parallel_method="ulysses", zero_stage=3)
+    cases["cp2/ring/zero2/units"] = _gpt(context_parallel_size=2, zero_stage=2, bucket_size_mb=0.1)  # 3 layers + 1
     per_rank = run_processes(fit_cases, 2, cases, timeout=600)
     worst = assert_parity(per_rank, reference_losses(cases))
     print("max |loss - one process|:", worst)

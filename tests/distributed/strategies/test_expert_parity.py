@@ -36,6 +36,9 @@ def test_experts_over_two_ranks_match_one_process():
     cases = {
         "dp2/ep2": _case(2, data_parallel_size=2, expert_parallel_size=2),
         "dp2/ep2/zero2": _case(2, data_parallel_size=2, expert_parallel_size=2, zero_stage=2),
+        # ZeRO 2 in units of layers (3 + 1) beside the experts FSDP2 leaves to the expert-data group
+        "dp2/ep2/zero2/units": _case(2, data_parallel_size=2, expert_parallel_size=2, zero_stage=2,
+                                     bucket_size_mb=0.1),
         "dp2/ep1": _case(2, data_parallel_size=2),  # the balancing loss over data ranks alone
     }
     per_rank = run_processes(fit_cases, 2, cases, timeout=600)

@@ -87,7 +87,8 @@ def test_expert_sizes_divide_data_x_context_and_the_experts() -> None:
     assert refused["dp4xpp1xtp1 ep4"] == ("experts do not split: expert_parallel_size=4 does not divide "
                                           "num_experts=6: use a size among [1, 2, 3, 6]")
     assert all(c.engine == "hybrid" for c in candidates if c.ep > 1)  # DeepSpeed shards no experts
-    assert {c.name for c in candidates if c.ep == 2 and c.dp == 4 and c.zero == 2} == {"dp4 ep2 zero2 b4"}
+    assert {c.name for c in candidates if c.ep == 2 and c.dp == 4 and c.zero == 2} == {"dp4 ep2 zero2 b4",
+                                                                                        "dp4 ep2 zero2 u25 b4"}
     dense = replace(six, experts=None)
     assert all(c.ep == 1 for c in enumerate_layouts(dense, 4, work())[0])
     only = enumerate_layouts(six, 4, work(), SearchSpace(expert_sizes=(1,)))[0]
