@@ -53,7 +53,7 @@ COUNTED = {"all_reduce": (0, "tensor"), "all_gather_single": (1, "input_tensor")
 LAYOUTS = {
     "dp4 overlap": {"zero_stage": 0},
     "dp4 overlap, per layer": {"zero_stage": 0, "bucket_size_mb": 0},
-    "dp4 overlap, FSDP2": {"zero_stage": 0, "fsdp2": True},
+    "dp4 overlap, FSDP2": {"fsdp2": True},
     "dp4 after backward": {"zero_stage": 0, "after_backward": True},
     "dp4 zero2": {"zero_stage": 2},
     "dp4 zero2, 25 MB units": {"zero_stage": 2, "bucket_size_mb": 25},
@@ -123,10 +123,9 @@ def _build(rank: int, spec: dict, width: int, depth: int) -> dict:
     if spec.get("fsdp2"):  # the FSDP2 form of zero_stage=0 (what parallelize built alone before; beside a pipeline now)
         from lightning_parallel.parallel.data import data_axis_mesh, shard_data_axis
 
-        stage = spec["zero_stage"]
-        dp_mesh = data_axis_mesh(layout, stage, mesh, build_data_mesh(layout, mesh, stage))
-        shard_data_axis(module.pipeline_layers(), [module], dp_mesh, stage,
-                        bucket_bytes=int(spec.get("bucket_size_mb", 25) * 2**20))
+        dp_mesh = data_axis_mesh(layout, 0, mesh, build_data_mesh(layout, mesh, 0))
+        shard_data_axis(module.pipeline_layers(), [module], dp_mesh, 0,
+                        bucket_bytes=ParallelOptions(data_parallel_size=world).bucket_bytes)
     elif spec.get("zero_stage") is not None and group is None:
         data_mesh = build_data_mesh(layout, mesh, spec["zero_stage"])
         options = ParallelOptions(data_parallel_size=world, zero_stage=spec["zero_stage"],
