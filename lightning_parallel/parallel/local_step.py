@@ -62,6 +62,10 @@ def step_on_local_shards(optimizers: Iterable[Optimizer]) -> list[Optimizer]:
                 _inner()
             return loss
 
+        if hasattr(inner, "_wrapped_by_lr_sched"):
+            # The scheduler's wrapper still runs (it is ``_inner``), so its order check stays true: say so, or
+            # torch warns that the step was overridden after the scheduler was made.
+            step._wrapped_by_lr_sched = True
         optimizer.step = step
         optimizer.steps_on_local_shards = True
         switched.append(optimizer)

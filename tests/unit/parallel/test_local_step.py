@@ -59,3 +59,19 @@ def test_only_element_wise_optimizers_over_dtensors_are_switched_and_only_once(w
     lbfgs = torch.optim.LBFGS(model.parameters())  # reads the whole parameter vector: stays on DTensors
     plain = torch.optim.Adam(nn.Linear(2, 2).parameters())  # nothing to switch
     assert step_on_local_shards([lbfgs, plain]) == []
+
+
+def test_a_learning_rate_scheduler_made_before_the_switch_sees_its_own_step_order(world_of_one):
+    """Lightning builds schedulers in ``configure_optimizers``, before the strategy switches the step: torch's
+    scheduler must neither warn that the step was overridden nor that it stepped before the optimizer."""
+    import warnings
+
+    model = _sharded(world_of_one)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    step_on_local_shards([optimizer])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(model, optimizer, steps=1)
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)
