@@ -200,13 +200,21 @@ class HuggingFaceAdapter(ModelAdapter):
         return list(blocks) if isinstance(blocks, nn.ModuleList) else []
 
     def data_axis_roots(self) -> list[nn.Module]:
-        """The model first, then the module.
+        """The model first, then the module where it holds parameters outside the model.
 
         A zero-glue ``training_step`` calls ``self.model(**batch)`` and never the LightningModule's
         ``forward``, and FSDP2 gathers a root's own parameters in that root's forward: the model
-        being called must be a root itself, or its embedding would stay sharded.
+        being called must be a root itself, or its embedding would stay sharded. FSDP2 takes the first unit
+        to run forward for the root of everything under it, so a LightningModule unit above a model that
+        trained first cannot run forward later (``predict_step`` calling ``self(...)``, the evaluation after
+        ``lp-train``: "FSDP state has already been lazily initialized for model"); without parameters of its
+        own it needs no unit, and its forward runs the model's.
         """
-        return [self.model, self.module] if self.prefix else [self.module]
+        if not self.prefix:
+            return [self.module]
+        inside = {id(p) for p in self.model.parameters()}
+        own = any(id(p) not in inside for p in self.module.parameters())
+        return [self.model, self.module] if own else [self.model]
 
     def check_context_parallel(self, method: str, size: int, tensor_size: int = 1) -> None:
         """The module's ``context_parallel_plan()`` when it has one; else the model must let its attention be
