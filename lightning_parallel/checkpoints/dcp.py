@@ -350,7 +350,9 @@ def check_group_agreement(module: nn.Module, optimizer: Optimizer, flat: dict[st
     Raises:
         ValueError: a param-group mismatch (torch would silently take the first parameter's values).
     """
-    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    # A tied parameter under its first name, as torch.distributed.checkpoint files its optimizer state (the last
+    # name, e.g. a tied LM head, found no saved settings and failed every resume of a tied model).
+    names = {id(p): n for n, p in module.named_parameters()}
     for index, group in enumerate(optimizer.param_groups):
         settings = [k for k in group if k != "params"]
         first: Optional[str] = None

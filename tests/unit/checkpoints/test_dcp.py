@@ -100,3 +100,31 @@ def test_hydra_containers_in_hyperparameters_are_saved_as_plain_values_the_safe_
     assert hparams["config_overrides"] == {"num_hidden_layers": 4, "layer_types": ["full", "sliding"]}
     assert type(hparams["config_overrides"]) is dict and type(hparams["config_overrides"]["layer_types"]) is list
     assert OmegaConf.is_config(metadata["hyper_parameters"]["config_overrides"])  # the caller's dict is untouched
+
+
+def test_a_tied_weight_is_checked_under_the_name_its_optimizer_state_is_saved_by():
+    """A tied LM head shares the embedding's tensor; torch.distributed.checkpoint files its param-group settings under
+    the first name. Looked up under the last one (the head's), they were missing and every resume of a tied model in
+    a group of its own failed as a param-group mismatch (StarCoder2 through lp-train)."""
+    from torch import nn
+
+    from lightning_parallel.checkpoints import optimizer_state_dict
+    from lightning_parallel.checkpoints.dcp import check_group_agreement
+
+    class TiedLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(8, 4)
+            self.proj = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 8, bias=False)
+            self.head.weight = self.embed.weight
+
+    module = TiedLM()
+    optimizer = torch.optim.AdamW([{"params": [module.proj.weight], "weight_decay": 0.1},
+                                   {"params": [module.embed.weight, module.proj.bias], "weight_decay": 0.0}])
+    flat = optimizer_state_dict(module, optimizer)
+    assert "param_groups.embed.weight.weight_decay" in flat and "param_groups.head.weight.weight_decay" not in flat
+    check_group_agreement(module, optimizer, flat)
+    flat["param_groups.proj.bias.weight_decay"] = 0.1  # a real disagreement is still refused
+    with pytest.raises(ValueError, match="Param-group mismatch: group 1 .*'embed.weight' and 'proj.bias'"):
+        check_group_agreement(module, optimizer, flat)
