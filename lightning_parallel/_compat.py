@@ -140,6 +140,14 @@ def drop_per_step_sigterm_broadcast(trainer: pl.Trainer) -> None:
         loop._broadcast_sigterm_tensor = lambda: None
 
 
+def keep_lr_scheduler_marker(step: Any, wrapped: Any) -> None:
+    """Mark ``step``, a replacement of ``optimizer.step`` that calls ``wrapped``, as torch's LR scheduler marks the
+    step it wraps (``_wrapped_by_lr_sched``) when ``wrapped`` carries that mark: the scheduler's wrapper still runs,
+    so its order check stays true, and torch does not warn that the step was overridden after the scheduler."""
+    if hasattr(wrapped, "_wrapped_by_lr_sched"):
+        step._wrapped_by_lr_sched = True
+
+
 def fit_loop_state(checkpoint: dict[str, Any]) -> Optional[dict[str, Any]]:
     """The fit loop's entry of a Lightning checkpoint dict (``checkpoint["loops"]["fit_loop"]``), or None."""
     return checkpoint.get("loops", {}).get("fit_loop")

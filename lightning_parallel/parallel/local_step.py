@@ -30,6 +30,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_parallel import _compat
+
 # torch optimizers whose update of each element reads only that element's parameter, gradient and state.
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
                torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adadelta)
@@ -62,10 +64,7 @@ def step_on_local_shards(optimizers: Iterable[Optimizer]) -> list[Optimizer]:
                 _inner()
             return loss
 
-        if hasattr(inner, "_wrapped_by_lr_sched"):
-            # The scheduler's wrapper still runs (it is ``_inner``), so its order check stays true: say so, or
-            # torch warns that the step was overridden after the scheduler was made.
-            step._wrapped_by_lr_sched = True
+        _compat.keep_lr_scheduler_marker(step, inner)  # a scheduler made before the switch must not warn
         optimizer.step = step
         optimizer.steps_on_local_shards = True
         switched.append(optimizer)
