@@ -12,6 +12,13 @@ stop is seen within about that long, and a fast step pays no collective of its o
 Lightning's loop runs before every step (a broadcast of rank 0's SIGTERM flag, dropped while this callback's
 signal handlers hold SIGTERM), so a steady step under ``lp-train`` runs only the model's collectives.
 
+Nothing written after the stop claims a later position. Lightning still ends the fit after the stop: it marks the
+epoch complete, steps epoch-interval LR schedulers, and ``ModelCheckpoint(save_last=True)`` then writes ``last.ckpt``
+from ``on_train_end`` (0.6 s later, at the same ``global_step``, in epoch 1 "completed" where the stop was 13 of 14
+batches into epoch 0). Resumed, such a file skipped the rest of the epoch and trained on the next epoch's shuffle
+(0.18-0.43 off under context 2). Every checkpoint written at the stop's step after it therefore carries the stop's
+own loop progress, epoch and LR-scheduler state (:meth:`GracefulStop.on_save_checkpoint`), whoever writes it.
+
 Note:
     The name is not ``last.ckpt``: a ``ModelCheckpoint(save_last=True)`` that finds a ``last.ckpt``
     it did not write saves its own next one as ``last-v1.ckpt``. ``resume=`` and ``ckpt_path=last``
@@ -21,6 +28,7 @@ Note:
 from __future__ import annotations
 
 import time
+from copy import deepcopy
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,6 +40,9 @@ from lightning_parallel import _compat
 from lightning_parallel.runtime import signals
 
 PROBE_STEPS = 3  # steps after which the ranks agree on each, timing them, before the interval is set
+# The parts of a Lightning checkpoint that the end of a stopped fit moves on; a later save at the stop's step gets
+# the stop's own copy (the weights, optimizer state and other callbacks' states do not move once training stopped).
+POSITION_KEYS = ("loops", "epoch", "lr_schedulers")
 
 
 class GracefulStop(pl.Callback):
@@ -52,6 +63,8 @@ class GracefulStop(pl.Callback):
         self._steps = 0
         self._slowest = 0.0  # the slowest step seen while probing (the first step, which warms up, not counted)
         self._step_ended: Optional[float] = None
+        self._stop_position: Optional[dict[str, Any]] = None  # POSITION_KEYS as the stop checkpoint wrote them
+        self._saving_stop = False
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -94,9 +107,23 @@ class GracefulStop(pl.Callback):
         if not self._agreement_due() or not self._any_rank_asked(trainer):
             return
         path = self.checkpoint_dir / "last-stop.ckpt"
-        trainer.save_checkpoint(str(path))
+        self._saving_stop = True
+        try:
+            trainer.save_checkpoint(str(path))
+        finally:
+            self._saving_stop = False
         self.saved, self.stopped_at = path, trainer.global_step
         if shutdown is not None:
             shutdown.saved = str(path)
         trainer.should_stop = True
         trainer.limit_val_batches = 0  # Lightning validates when stopped early: not while the user waits for Ctrl-C
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Records the stop checkpoint's position; gives it to every later checkpoint at the stop's step."""
+        if self._saving_stop:
+            self._stop_position = deepcopy({k: checkpoint[k] for k in POSITION_KEYS if k in checkpoint})
+        elif self._stop_position is not None and trainer.global_step == self.stopped_at:
+            checkpoint.update(deepcopy(self._stop_position))

@@ -21,11 +21,19 @@ _NOT_REPEATED = ("hydra.run.dir", "hydra.sweep.dir", "ckpt_path", "resume", "+re
 
 
 def last_checkpoint(checkpoint_dir: Path) -> Optional[Path]:
-    """The newest ``last*.ckpt`` (file or sharded folder) in ``checkpoint_dir``, or None."""
+    """The ``last*.ckpt`` (file or sharded folder) in ``checkpoint_dir`` furthest in training, or None.
+
+    Furthest by the global step each records, then by time written: a file's time alone let a ``last.ckpt``
+    written after a stop win over the stop's ``last-stop.ckpt`` (see :mod:`lightning_parallel.callbacks.graceful_stop`
+    for why both now hold the same position).
+    """
     if not checkpoint_dir.is_dir():
         return None
     found = [p for p in checkpoint_dir.glob("last*.ckpt") if not p.name.startswith(".")]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+    if not found:
+        return None
+    steps = {p: checkpoint_step(p) for p in found}
+    return max(found, key=lambda p: (-1 if steps[p] is None else steps[p], p.stat().st_mtime))
 
 
 def checkpoint_step(path: Path) -> Optional[int]:

@@ -17,6 +17,7 @@ from typing import Any, Optional
 from torch.utils.data import DistributedSampler, SequentialSampler
 
 from lightning_parallel import _compat
+from lightning_parallel.callbacks.exact_resume import ExactDataResume
 from lightning_parallel.checkpoints import resolve_checkpoint
 from lightning_parallel.checkpoints.dcp import METADATA_FILE
 from lightning_parallel.checkpoints.detect import describe_checkpoint
@@ -54,7 +55,10 @@ def resumed_shuffle_notice(trainer: Any, dataloader: Any, shape: tuple[int, ...]
         return None
     path = resolve_checkpoint(Path(ckpt_path))
     writer, description = describe_checkpoint(path)
-    if writer == "suite-dcp" and _same_layout_writer(path, shape):
+    # The suite's strategies all put the same (seed, epoch) permutation on the loader, so a suite checkpoint of any
+    # layout continues on its batches once ExactDataResume places the sampler at the global position it saved.
+    placed = any(isinstance(c, ExactDataResume) for c in getattr(trainer, "callbacks", []))
+    if writer == "suite-dcp" and (placed or _same_layout_writer(path, shape)):
         return None
     data = shape[0]
     sharding = "shards nothing at data-parallel size 1 and only" if data == 1 else "shards and"
