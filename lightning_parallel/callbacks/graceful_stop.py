@@ -27,6 +27,7 @@ Note:
 
 from __future__ import annotations
 
+import os
 import time
 from copy import deepcopy
 from pathlib import Path
@@ -51,11 +52,12 @@ class GracefulStop(pl.Callback):
     Args:
         checkpoint_dir: where ``last-stop.ckpt`` is written (the run's ``checkpoints`` folder).
         agree_every_s: about how often (seconds of training) the ranks agree on a stop; the module docstring.
+            Default ``$LP_STOP_AGREE_S``, else 1 s; 0 agrees after every step (a stop lands on the next step).
     """
 
-    def __init__(self, checkpoint_dir: str, agree_every_s: float = 1.0) -> None:
+    def __init__(self, checkpoint_dir: str, agree_every_s: Optional[float] = None) -> None:
         self.checkpoint_dir = Path(checkpoint_dir)
-        self.agree_every_s = agree_every_s
+        self.agree_every_s = float(os.environ.get("LP_STOP_AGREE_S", "1.0")) if agree_every_s is None else agree_every_s
         self.saved: Optional[Path] = None
         self.stopped_at: Optional[int] = None
         self.interval: Optional[int] = None  # steps between agreements, once the probe steps have run

@@ -13,6 +13,7 @@ the given committed step (``trainer.global_step``), so the restarted group runs 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -111,3 +112,23 @@ class HoldWhileDegraded(Callback):
         if 0 < groups.participants < groups.resolved.replicas and self.budget > 0:
             time.sleep(self.seconds)
             self.budget -= self.seconds
+
+
+class CtrlCAtStep(Callback):
+    """Deliver a user's Ctrl-C to ``lp-train`` at the start of a given step of a fresh run (tests only).
+
+    A terminal's Ctrl-C reaches ``lp-train``'s launcher process alone (its ranks run in their own session), and
+    global rank 0 runs in that process: so rank 0 signals its own process, and the stop then runs exactly as after
+    a key press (:mod:`lightning_parallel.runtime.signals`). A resumed run (``ckpt_path`` set) never fires, so the
+    resume command the stop prints, which repeats the run's overrides, runs to its end.
+
+    Args:
+        step: the optimizer step at whose start the signal is sent.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank == 0 and trainer.global_step == self.step and not trainer.ckpt_path:
+            os.kill(os.getpid(), signal.SIGINT)
