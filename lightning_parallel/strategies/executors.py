@@ -29,6 +29,7 @@ from torch import Tensor
 
 from lightning_parallel.layout import PIPELINE_PARALLEL
 from lightning_parallel.parallel.adapter import LossWeighting, ModelAdapter
+from lightning_parallel.parallel.experts.sharded import ExpertParallel
 from lightning_parallel.parallel.pipeline.runner import PipelineRunner, default_item_count
 from lightning_parallel.parallel.pipeline.step_hooks import PipelineStep
 from lightning_parallel.parallel.tensor.plan import loss_parallel_context
@@ -123,6 +124,9 @@ class PipelinedExecutor(DirectExecutor):
             count_items=self.count_items,
         )
         self._parked: list[tuple[Tensor, Tensor]] = []
+        for layer in module.modules():  # the first step's expert-load report counts the schedule's forwards only
+            if isinstance(layer, ExpertParallel):
+                layer.counts_forward = self.runner.in_microbatch_forward
         # A term over the whole step the stages' chain does not carry (step_hooks.py): the module's or the adapter's.
         self.step_hooks = self.adapter.pipeline_step_hooks(parallelized.stages, parallelized.layout)
 

@@ -5,8 +5,8 @@ the step's stragglers (and, with a capacity factor, drops tokens). The first ste
 its budget: for each MoE layer, the token copies each expert received over the whole global batch (every data
 and expert rank, every micro-batch of the step), and the busiest expert's load over the mean. Each
 :class:`~lightning_parallel.parallel.experts.sharded.ExpertParallel` adds up the rows its experts receive until
-this report has run. Under pipelining, the first step also counts the forward torch runs once to infer the stages'
-shapes (one micro-batch).
+this report has run. Under pipelining, the forward torch runs once to infer the stages' shapes is not counted
+(:attr:`ExpertParallel.counts_forward`): the copies add up to the global batch's tokens x top-k.
 """
 
 from __future__ import annotations

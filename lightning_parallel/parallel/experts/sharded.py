@@ -17,7 +17,7 @@ Note:
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,10 @@ class ExpertParallel(nn.Module):
             them. None: plain ``[E/ep, ...]`` tensors.
     """
 
+    # Whether the running forward is one of the step's own (set by a pipelined run: torch also runs a stage once to
+    # infer its shapes, which the first step's load report must not count -- it showed 1,536 copies for 1,024).
+    counts_forward: Callable[[], bool] = staticmethod(lambda: True)
+
     def __init__(self, experts: nn.Module, group: dist.ProcessGroup,
                  capacity_group: Optional[dist.ProcessGroup] = None, kernel: Optional[Kernel] = None,
                  mesh: Optional[Any] = None) -> None:
@@ -125,7 +129,7 @@ class ExpertParallel(nn.Module):
         Args:
             local_counts: ``[E/ep]`` rows that reached each of this rank's experts.
         """
-        if self.training and not getattr(self, "load_reported", False):
+        if self.training and not getattr(self, "load_reported", False) and self.counts_forward():
             previous = getattr(self, "first_step_load", None)
             counts = local_counts.detach().float()
             self.first_step_load = counts if previous is None else previous + counts
