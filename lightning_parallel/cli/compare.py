@@ -4,8 +4,9 @@
 composes ``lp-train``'s config (``conf/``, the same overrides) once per layout -- each entry a
 ``conf/strategy/`` name and a device count (``NAME:DEVICES``), or the sizes of a hybrid layout as
 :meth:`~lightning_parallel.layout.ParallelLayout.describe` spells them, without spaces
-(``dp2xcp2xpp1xtp1``, axes left out are 1: ``cp4``, ``dp2xcp2``), optionally with the context method
-(``cp4:ulysses``; ring by default) and run on their product of devices -- checks it with
+(``dp2xcp2xpp1xtp1``, axes left out are 1: ``cp4``, ``dp2xcp2``; ``ep2`` spreads each MoE layer's experts over 2
+of the data x context ranks, as ``strategy.expert_parallel_size``, and adds no devices: ``dp2xep2``), optionally with
+the context method (``cp4:ulysses``; ring by default) and run on the product of dp, cp, pp and tp -- checks it with
 :func:`~lightning_parallel.cli.preflight.preflight`,
 and runs :func:`~lightning_parallel.testing.compare.compare_layouts` on it. Every layout trains on
 the same global batch (``compare.global_batch_size``; the per-rank ``data.batch_size`` is derived
@@ -49,8 +50,8 @@ def parse_layout(entry: str) -> tuple[str, int]:
 
 
 _AXES = {"dp": "data_parallel_size", "cp": "context_parallel_size", "pp": "pipeline_parallel_size",
-         "tp": "tensor_parallel_size"}
-_SIZE = re.compile(r"(dp|cp|pp|tp)(\d+)")
+         "tp": "tensor_parallel_size", "ep": "expert_parallel_size"}
+_SIZE = re.compile(r"(dp|cp|pp|tp|ep)(\d+)")
 _METHODS = ("ring", "ulysses")
 
 
@@ -59,7 +60,7 @@ class SizesEntry:
     """A ``compare.layouts`` entry spelled by its sizes: the hybrid strategy (``conf/strategy/hybrid.yaml``) with them.
 
     Args:
-        sizes: ``{"dp": 2, "cp": 2, "pp": 1, "tp": 1}`` (every axis).
+        sizes: ``{"dp": 2, "cp": 2, "pp": 1, "tp": 1, "ep": 1}`` (every axis; ``ep`` borrows dp x cp ranks).
         method: the context-parallel method (None: the strategy file's, ring).
     """
 
@@ -68,13 +69,13 @@ class SizesEntry:
 
     @property
     def devices(self) -> int:
-        """Processes the layout runs on: the product of its sizes."""
+        """Processes the layout runs on: the product of dp, cp, pp and tp (ep borrows from dp x cp)."""
         return self.sizes["dp"] * self.sizes["cp"] * self.sizes["pp"] * self.sizes["tp"]
 
     @property
     def label(self) -> str:
-        """``dp1xcp2xpp1xtp1:ring`` (the method shown under context parallelism)."""
-        spelled = "x".join(f"{axis}{self.sizes[axis]}" for axis in _AXES)
+        """``dp1xcp2xpp1xtp1:ring`` (the method shown under context parallelism; ``xep2`` under expert parallelism)."""
+        spelled = "x".join(f"{axis}{self.sizes[axis]}" for axis in _AXES if axis != "ep" or self.sizes["ep"] > 1)
         return spelled + (f":{self.method or 'ring'}" if self.sizes["cp"] > 1 else "")
 
     def overrides(self) -> list[str]:
@@ -97,12 +98,15 @@ def parse_sizes(entry: str) -> Optional[SizesEntry]:
     axes = [_SIZE.fullmatch(part).groups() for part in parts]
     names = [axis for axis, _ in axes]
     if len(set(names)) < len(names) or any(int(size) < 1 for _, size in axes):
-        raise ConfigError(f"compare.layouts entry {entry!r}: give each of dp, cp, pp, tp at most once, each >= 1 "
-                          "(e.g. dp2xcp2xpp1xtp1, or cp4).")
+        raise ConfigError(f"compare.layouts entry {entry!r}: give each of dp, cp, pp, tp, ep at most once, each >= 1 "
+                          "(e.g. dp2xcp2xpp1xtp1, cp4, or dp2xep2).")
     if sep and method.strip() not in _METHODS:
         raise ConfigError(f"compare.layouts entry {entry!r}: the context method after ':' is one of {_METHODS} "
                           "(e.g. cp2:ulysses).")
     sizes = {axis: 1 for axis in _AXES} | {axis: int(size) for axis, size in axes}
+    if (sizes["dp"] * sizes["cp"]) % sizes["ep"]:
+        raise ConfigError(f"compare.layouts entry {entry!r}: ep{sizes['ep']} borrows ranks from dp x cp = "
+                          f"{sizes['dp'] * sizes['cp']}, which it must divide (e.g. dp{sizes['ep']}xep{sizes['ep']}).")
     return SizesEntry(sizes, method.strip() if sep else None)
 
 
@@ -182,6 +186,8 @@ def build_layouts(cfg: DictConfig, output_dir: str) -> tuple[list[Any], DictConf
             name, devices, extra, label = "hybrid", sizes.devices, sizes.overrides(), sizes.label
         layout_cfg = compose_layout(name, devices, overrides, output_dir, extra)
         strategy, parallel_layout = preflight(layout_cfg)
+        if sizes is None and getattr(parallel_layout, "expert_parallel", 1) > 1:  # from strategy.* on the line
+            label += f" (ep{parallel_layout.expert_parallel})"
         if reference is None:
             reference = (layout_cfg, parallel_layout)
         config = strategy if isinstance(strategy, str) else OmegaConf.to_container(layout_cfg.strategy, resolve=True)

@@ -10,13 +10,22 @@ from lightning_parallel.cli.preflight import ConfigError
 
 def test_sizes_entries_fill_the_missing_axes_with_one_and_run_on_their_product() -> None:
     entry = parse_sizes("dp2xcp2")
-    assert entry.sizes == {"dp": 2, "cp": 2, "pp": 1, "tp": 1} and entry.devices == 4
+    assert entry.sizes == {"dp": 2, "cp": 2, "pp": 1, "tp": 1, "ep": 1} and entry.devices == 4
     assert entry.label == "dp2xcp2xpp1xtp1:ring"
     assert parse_sizes(" tp2xcp2:ulysses ").label == "dp1xcp2xpp1xtp2:ulysses"
     assert parse_sizes("dp1xcp1xpp2xtp1").label == "dp1xcp1xpp2xtp1"  # no method without a context axis
     assert parse_sizes("cp4:ulysses").overrides() == [
         "strategy.data_parallel_size=1", "strategy.context_parallel_size=4", "strategy.pipeline_parallel_size=1",
-        "strategy.tensor_parallel_size=1", "strategy.context_parallel_method=ulysses"]
+        "strategy.tensor_parallel_size=1", "strategy.expert_parallel_size=1", "strategy.context_parallel_method=ulysses"]
+
+
+def test_the_expert_axis_is_spelled_ep_borrows_data_ranks_and_shows_in_the_label() -> None:
+    entry = parse_sizes("dp2xep2")
+    assert entry.devices == 2 and entry.label == "dp2xcp1xpp1xtp1xep2"
+    assert "strategy.expert_parallel_size=2" in entry.overrides()
+    assert parse_sizes("dp2xcp2xep4").devices == 4
+    with pytest.raises(ConfigError, match="must divide"):
+        parse_sizes("dp2xep4")
 
 
 def test_strategy_names_are_not_sizes_and_bad_sizes_say_how_to_spell_them() -> None:
