@@ -20,6 +20,7 @@ Touch points, by package:
 * torch: :func:`unflatten_mesh_dim`, :func:`dcp_set_element`, :func:`dcp_metadata_path`, :func:`load_planner_target`.
 * DeepSpeed: :func:`zero_merge_trainable_params`, :func:`zero3_param_coordinator`.
 * transformers: :func:`hf_class_plans`, :func:`hf_init_weights`.
+* TorchRec (torch's optimizer in backward): :func:`in_backward_optimizer_settings`.
 """
 
 from __future__ import annotations
@@ -293,3 +294,21 @@ def hf_init_weights(model: Any, module: nn.Module) -> None:
     the method exists and fills a meta-built module's rotary buffer.
     """
     model._init_weights(module)
+
+
+# --- TorchRec ----------------------------------------------------------------------------
+
+
+def in_backward_optimizer_settings(param: Any) -> Optional[tuple[type, dict[str, Any]]]:
+    """``(optimizer class, kwargs)`` that ``apply_optimizer_in_backward`` attached to ``param``, or None.
+
+    Why private: torch's optimizer-in-backward (which TorchRec's ``apply_optimizer_in_backward`` calls) keeps
+    them only in the parameter's ``_optimizer_classes`` / ``_optimizer_kwargs`` lists; TorchRec's sharders read
+    the same attributes to build a table's fused optimizer. A data-parallel table has no fused optimizer, so
+    the suite reads them to give it the same optimizer. One optimizer per table, as TorchRec requires.
+    """
+    classes = getattr(param, "_optimizer_classes", None)
+    kwargs = getattr(param, "_optimizer_kwargs", None)
+    if not classes:
+        return None
+    return classes[0], dict(kwargs[0] if kwargs else {})

@@ -133,7 +133,9 @@ class TorchRecDLRM(BuildsInConfigureModel, pl.LightningModule):
     def _step(self, batch: Sequence[Any], name: str) -> Tensor:
         (dense, sparse), labels = self.pipeline_split_batch(batch)
         loss = F.binary_cross_entropy_with_logits(self(dense, sparse), labels.to(dense.dtype))
-        self.log(f"{name}_loss", loss, prog_bar=name != "test", sync_dist=name != "train", batch_size=len(labels))
+        # The mean over the data-parallel ranks (one all-reduce per step): the loss of the global batch, the same
+        # at any world size, where rank 0's own batch alone would change with it.
+        self.log(f"{name}_loss", loss, prog_bar=name != "test", sync_dist=True, batch_size=len(labels))
         return loss
 
     def training_step(self, batch: Sequence[Any], batch_idx: int) -> Tensor:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_parallel._compat import in_backward_optimizer_settings
 from lightning_parallel.protocol import layer_seed
 
 #: Rows drawn per generator when a table is initialised; part of the values' definition (changing it changes them).
@@ -198,6 +199,24 @@ def in_backward_parameters(module: nn.Module) -> dict[str, Tensor]:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     return dict(in_backward_optimizer_filter(module.named_parameters(), include=True))
+
+
+def table_optimizers(module: nn.Module, tables: dict[str, tuple[str, Any]] | None = None
+                     ) -> dict[str, tuple[type, dict[str, Any]]]:
+    """``{table name: (optimizer class, kwargs)}``: the optimizer in backward each table of ``module`` was given
+    (the class and arguments TorchRec's sharders fuse into its kernel); tables without one are left out.
+
+    Args:
+        module: the model holding the collections, still unsharded (a sharded table's parameter is another one).
+        tables: :func:`table_configs` of ``module``; None reads them.
+    """
+    found = {}
+    for name, (path, _) in (table_configs(module) if tables is None else tables).items():
+        collection = module.get_submodule(path) if path else module
+        settings = in_backward_optimizer_settings(collection.embedding_bags[name].weight)
+        if settings is not None:
+            found[name] = settings
+    return found
 
 
 def apply_table_optimizer(module: nn.Module, name: str | None, kwargs: dict[str, Any]) -> list[str]:

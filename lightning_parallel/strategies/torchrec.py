@@ -5,7 +5,9 @@
 constrained per table by ``sharding=``), and the rest of the module is wrapped in ``DistributedDataParallel``.
 The plan is printed at start-up (table, type, ranks, MiB per rank). Lightning's loop is unchanged: the training
 step runs through DMP, the dense optimizer is the module's ``configure_optimizers`` minus the tables, and the
-tables are updated inside backward by TorchRec's fused optimizers.
+tables are updated inside backward by TorchRec's fused optimizers -- or, for tables replicated with
+``data_parallel`` (which TorchRec fuses nothing into), by a dense twin of the same optimizer with the same
+hyper-parameters right after the dense step (:mod:`~lightning_parallel.strategies.torchrec_replicated`).
 
 Note:
     * Order in :meth:`setup`: dense layers materialised and seeded first (they are plain modules; DDP inside DMP
@@ -18,7 +20,8 @@ Note:
       parameters only.
     * Refusals come before any table is built: torchrec missing (install command named) or a sharding type
       unknown in ``__init__``; a type this device/backend cannot run (row-wise on gloo) in
-      :meth:`setup_environment`, before the process group starts.
+      :meth:`setup_environment`, before the process group starts; a replicated table whose optimizer has no
+      exact dense twin (Adam, ...) in :meth:`setup`, once ``configure_model`` has given the tables optimizers.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from lightning_parallel.adapters.torchrec import (
     init_tables,
     require_torchrec,
     table_configs,
+    table_optimizers,
 )
 from lightning_parallel.protocol import layer_seed, owned_tensors, reset_parameters
 from lightning_parallel.strategies import torchrec_checkpoint
@@ -57,6 +61,11 @@ from lightning_parallel.strategies.torchrec_plan import (
     plan_rows,
     plan_sharding,
     runnable_sharding_types,
+)
+from lightning_parallel.strategies.torchrec_replicated import (
+    ReplicatedTableOptimizer,
+    TableOptimizers,
+    check_replicated_optimizers,
 )
 
 
@@ -118,6 +127,7 @@ class TorchRecStrategy(DDPStrategy):
         self.plan: Any = None
         self.plan_table: list = []
         self.dmp: Any = None  # TorchRec's DistributedModelParallel; kept after teardown unwraps self.model
+        self.replicated_tables: Optional[ReplicatedTableOptimizer] = None  # twins of data-parallel tables' optimizers
 
     # --- lifecycle ---------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -166,7 +176,9 @@ class TorchRecStrategy(DDPStrategy):
         self._materialize_dense(module, seed)
         apply_table_optimizer(module, self.embedding_optimizer, self.embedding_optimizer_kwargs)
         tables = table_configs(module)  # before sharding: the sharded collections are another type
-        self.dmp = self._shard(module, tables)
+        settings = table_optimizers(module, tables)  # before sharding: TorchRec rewrites them into fused params
+        check_replicated_optimizers(settings, self._requested_replicated(tables))
+        self.dmp = self._shard(module, tables, settings)
         self.model = self.dmp
         init_tables(module, seed, tables)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -189,8 +201,15 @@ class TorchRecStrategy(DDPStrategy):
                 torch.manual_seed(layer_seed(seed, name))
                 reset_parameters(name, owner)
 
-    def _shard(self, module: nn.Module, tables: dict[str, tuple[str, Any]]) -> nn.Module:
-        """Plan (collectively), print the plan on rank 0, and wrap ``module`` in DMP."""
+    def _requested_replicated(self, tables: Mapping[str, Any]) -> list[str]:
+        """The tables asked to be ``data_parallel`` (the planner replicates no other: see ``parameter_constraints``)."""
+        wanted = dict.fromkeys(tables, self.sharding) if not isinstance(self.sharding, Mapping) else self.sharding
+        return [table for table, kind in wanted.items() if kind == "data_parallel"]
+
+    def _shard(self, module: nn.Module, tables: dict[str, tuple[str, Any]],
+               settings: Mapping[str, tuple[type, dict[str, Any]]]) -> nn.Module:
+        """Plan (collectively), wrap ``module`` in DMP, give replicated tables their optimizer's twin, and print
+        the plan on rank 0."""
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
         from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 
@@ -200,26 +219,37 @@ class TorchRecStrategy(DDPStrategy):
         group = torch.distributed.group.WORLD
         self.plan = plan_sharding(module, sharders, constraints, self.world_size, self.root_device.type, group)
         self.plan_table = plan_rows(self.plan, tables, self.world_size)
-        replicated = [r.table for r in self.plan_table if r.sharding_type == "data_parallel"]
-        note = (f"\nReplicated tables {replicated} are updated by the dense optimizer (configure_optimizers): TorchRec "
-                "fuses no optimizer into a data-parallel table." if replicated else "")
-        rank_zero_info(f"TorchRec sharding plan over {self.world_size} ranks:\n{format_plan(self.plan_table)}{note}")
         ddp = dict(self.dmp_ddp_kwargs)
         wrapper = DefaultDataParallelWrapper(static_graph=ddp.pop("static_graph"),
                                              find_unused_parameters=ddp.pop("find_unused_parameters"), ddp_kwargs=ddp)
-        return DistributedModelParallel(module, device=self.root_device, plan=self.plan, sharders=sharders,
-                                        data_parallel_wrapper=wrapper)
+        dmp = DistributedModelParallel(module, device=self.root_device, plan=self.plan, sharders=sharders,
+                                       data_parallel_wrapper=wrapper)
+        replicated = {r.table: tables[r.table] for r in self.plan_table if r.sharding_type == "data_parallel"}
+        self.replicated_tables = ReplicatedTableOptimizer(module, replicated, settings) if replicated else None
+        note = (f"\nReplicated (data_parallel) tables keep their optimizer, stepped after the dense one: "
+                f"{self.replicated_tables.describe()}" if self.replicated_tables else "")
+        rank_zero_info(f"TorchRec sharding plan over {self.world_size} ranks:\n{format_plan(self.plan_table)}{note}")
+        return dmp
 
     def _drop_tables_from_optimizers(self, module: nn.Module) -> None:
-        """Take the tables' parameters out of the dense optimizers (their fused optimizers own them).
+        """Take the tables' parameters out of the dense optimizers (their fused optimizers or twins own them).
 
         Note:
             Groups are emptied, never removed: a learning-rate scheduler keeps one entry per group.
         """
         tables = {id(p) for p in in_backward_parameters(module).values()}
+        tables |= {id(p) for p in (self.replicated_tables.parameters() if self.replicated_tables else [])}
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) not in tables]
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The dense step (its closure runs forward and backward), then the replicated tables' twins: DDP has
+        averaged their gradients by then, as TorchRec's fused kernels have already updated the sharded tables."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.replicated_tables is not None:
+            self.replicated_tables.step()
+        return output
 
     # --- checkpoints (DCP folders: lightning_parallel.strategies.torchrec_checkpoint) -----------
     @property
@@ -236,7 +266,8 @@ class TorchRecStrategy(DDPStrategy):
         return [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
 
     def _fused_optimizer(self) -> Any:
-        return None if self.dmp is None else self.dmp.fused_optimizer
+        """Every table's optimizer for checkpoints: TorchRec's fused one and the replicated tables' twins."""
+        return None if self.dmp is None else TableOptimizers(self.dmp.fused_optimizer, self.replicated_tables)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write a DCP folder (every rank its shards) that appears under ``filepath`` when all ranks are done."""

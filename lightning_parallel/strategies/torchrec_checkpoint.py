@@ -7,11 +7,14 @@ written into a hidden folder and renamed when every rank is done) with one more 
 * ``state_dict``: the LightningModule's weights under their unsplit names; a table is one TorchRec
   ``ShardedTensor`` whose shards each rank writes once, a dense tensor is written once (rank 0);
 * ``optimizer_<i>``: the dense optimizers, flattened under parameter names (torch's ``get_optimizer_state_dict``);
-* ``table_optimizer``: TorchRec's fused optimizer state (Adagrad sums, Adam moments) as ``ShardedTensor`` s.
+* ``table_optimizer``: the tables' optimizer state (Adagrad sums, Adam moments): TorchRec's fused optimizers'
+  as ``ShardedTensor`` s, and the twins of replicated (data-parallel) tables as whole tensors under the same
+  names (:class:`~lightning_parallel.strategies.torchrec_replicated.TableOptimizers`).
 
 Note:
     DCP reads a ``ShardedTensor`` by the global offsets of each shard, so a checkpoint written table-wise on 2
-    ranks loads column-wise on 4: every rank reads exactly the rows and columns its new shards hold. Row-wise
+    ranks loads column-wise on 4: every rank reads exactly the rows and columns its new shards hold, and a
+    replicated table's state loads into a sharded one and back (the same names and shapes). Row-wise
     Adagrad keeps one sum per row *and column shard*, which no other plan shares: resume it under the same plan.
 """
 
@@ -41,7 +44,7 @@ def sharded_state(module: nn.Module, optimizers: Sequence[Optimizer], fused: Any
     Args:
         module: the LightningModule (its collections sharded by TorchRec).
         optimizers: the dense torch optimizers (empty outside fitting).
-        fused: TorchRec's fused optimizer (``DistributedModelParallel.fused_optimizer``), or None.
+        fused: every table's optimizer (a ``state_dict()`` in TorchRec's fused layout), or None.
     """
     state: dict[str, Any] = {"state_dict": module.state_dict()}
     state.update({f"optimizer_{i}": optimizer_state_dict(module, o) for i, o in enumerate(optimizers)})
@@ -58,7 +61,7 @@ def save(path: Path, module: nn.Module, optimizers: Sequence[Optimizer], fused: 
         path: the folder (e.g. ``.../last.ckpt``), the same on every rank.
         module: the LightningModule.
         optimizers: the dense torch optimizers.
-        fused: TorchRec's fused optimizer, or None.
+        fused: every table's optimizer (TorchRec's fused one and the replicated tables' twins), or None.
         checkpoint: Lightning's checkpoint dict; its ``state_dict`` and ``optimizer_states`` are replaced by the
             sharded state, the rest goes to ``meta.pt``.
         is_coordinator: True on global rank 0.
@@ -76,7 +79,7 @@ def load(path: Path, module: nn.Module, optimizers: Sequence[Optimizer], fused: 
         path: a folder :func:`save` wrote (under any world size and plan).
         module: the LightningModule, already sharded.
         optimizers: the dense torch optimizers (empty: weights only).
-        fused: TorchRec's fused optimizer, or None.
+        fused: every table's optimizer (TorchRec's fused one and the replicated tables' twins), or None.
         weights_only: ``torch.load``'s for ``meta.pt``.
 
     Raises:
@@ -96,7 +99,9 @@ def load(path: Path, module: nn.Module, optimizers: Sequence[Optimizer], fused: 
         )
     state = sharded_state(module, optimizers, fused)
     stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
-    if TABLE_OPTIMIZER_KEY in state and not any(k.startswith(f"{TABLE_OPTIMIZER_KEY}.") for k in stored):
+    # SGD tables have no state to find: only a table optimizer with state must find some.
+    expects = TABLE_OPTIMIZER_KEY in state and any(state[TABLE_OPTIMIZER_KEY]["state"].values())
+    if expects and not any(k.startswith(f"{TABLE_OPTIMIZER_KEY}.") for k in stored):
         raise ValueError(f"{str(path)!r} holds no table optimizer state: it was written without optimizers.")
     dcp_load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
     module.load_state_dict(state["state_dict"])

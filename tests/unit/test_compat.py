@@ -233,3 +233,13 @@ def test_transformers_causal_lms_keep_the_lm_head_plans_on_the_class():
     tp_plan, pp_plan = _compat.hf_class_plans(model)
     assert tp_plan == {"lm_head": "colwise_gather_output"}
     assert list(pp_plan) == ["lm_head"]
+
+
+def test_in_backward_optimizer_settings_are_read_from_the_parameter():
+    """torch's optimizer in backward (TorchRec's ``apply_optimizer_in_backward``) still records the class and kwargs."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    layer = nn.Linear(2, 2)
+    assert _compat.in_backward_optimizer_settings(layer.weight) is None
+    _apply_optimizer_in_backward(torch.optim.Adagrad, [layer.weight], {"lr": 0.05})
+    assert _compat.in_backward_optimizer_settings(layer.weight) == (torch.optim.Adagrad, {"lr": 0.05})

@@ -3,7 +3,8 @@ table-column-wise and data-parallel, the other types TorchRec runs on gloo).
 
 fp32, the same global batch (32 samples of multi-hot Zipf ids), 8 steps: Adagrad (and SGD) fused into TorchRec's
 table kernels, Adam on the dense part from ``configure_optimizers``. Every rank's global-batch losses are within
-1e-5 of one process under the same strategy (where every table is whole on rank 0). The negative control turns
+1e-5 of one process under the same strategy (where every table is whole on rank 0), data-parallel tables too: they
+keep the tables' Adagrad (a dense twin, as TorchRec fuses nothing into a replicated table). The negative control turns
 off TorchRec's division of table gradients by the world size, so each table learns W times too fast: the test
 must see it. It runs with SGD tables: Adagrad's step does not change when every gradient is scaled.
 """
@@ -75,18 +76,15 @@ SGD = ("sgd", 0.5)
 
 
 def _reference() -> dict[str, list[float]]:
-    """One process, every table whole on rank 0: ``adagrad`` and ``sgd`` tables, and replicated tables (which
-    the dense optimizer updates: TorchRec fuses no optimizer into a data-parallel table)."""
-    cases = {"adagrad": {"sharding": "table_wise"}, "sgd": {"sharding": "table_wise", "table_optimizer": SGD},
-             "data_parallel": {"sharding": "data_parallel"}}
+    """One process, every table whole on rank 0: ``adagrad`` and ``sgd`` tables (fused)."""
+    cases = {"adagrad": {"sharding": "table_wise"}, "sgd": {"sharding": "table_wise", "table_optimizer": SGD}}
     return {name: r["losses"] for name, r in run_processes(fit_dlrm, 1, cases, timeout=300)[0].items()}
 
 
 def _check(per_rank: list[dict], reference: dict[str, list[float]], names: list[str]) -> dict[str, float]:
     worst = {}
     for name in names:
-        ref = reference["sgd" if "sgd" in name or "control" in name else
-                        "data_parallel" if name == "data_parallel" else "adagrad"]
+        ref = reference["sgd" if "sgd" in name or "control" in name else "adagrad"]
         diffs = [max_abs_difference(results[name]["losses"], ref) for results in per_rank]
         worst[name] = max(diffs)
         assert worst[name] < TOL, f"{name}: max |loss - one process| per rank {diffs}"
