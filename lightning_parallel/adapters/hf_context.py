@@ -38,6 +38,7 @@ Note:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
@@ -47,6 +48,10 @@ from torch import Tensor, nn
 from lightning_parallel import _compat
 from lightning_parallel.adapters.hf import IGNORE_INDEX
 from lightning_parallel.parallel.context.plan import ContextGroup, SequenceSplit
+
+# Config keys of a dropout probability outside attention (StarCoder2's residual_dropout, GPT-NeoX's hidden_dropout,
+# Phi's resid_pdrop, embedding dropouts); classifier and summary heads are not part of a causal LM's forward.
+_DROPOUT = re.compile(r"dropout|pdrop")
 
 #: Layer types whose attention the context kernels compute (``config.layer_types``).
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
@@ -107,6 +112,14 @@ def check_hf_context(model: nn.Module, method: str, size: int, tensor_size: int 
     if dropout > 0:
         raise _refuse(cls, f"has config.attention_dropout={dropout}: attention computed across ranks has no dropout "
                       "(one process's random mask could not be reproduced)", "Set config.attention_dropout=0")
+    others = {key: value for key, value in config.to_dict().items() if _DROPOUT.search(key)
+              and not key.startswith(("classifier", "summary")) and key != "attention_dropout"
+              and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0}
+    if others:
+        raise _refuse(cls, f"has dropout outside attention ({', '.join(f'config.{k}={v}' for k, v in others.items())}): "
+                      "each context rank would draw its mask for its share of the sequence from the same seed, "
+                      "neither one process's mask nor independent along the sequence",
+                      f"Set {' and '.join(f'config.{k}=0' for k in others)} for context parallelism")
     heads = getattr(config, "num_attention_heads", None)
     if method == "ulysses" and heads:
         check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, size, tensor_size)

@@ -153,8 +153,9 @@ def matching_plan(module: nn.Module, plan: Mapping[str, str], owner: str, whole:
             hold no attention at all.
 
     Raises:
-        ValueError: an unknown style, a glob that names no submodule, a plan naming no attention, or
-            an attention module with dropout (its random mask could not match one process's).
+        ValueError: an unknown style, a glob that names no submodule, a plan naming no attention, an
+            attention module with dropout (its random mask could not match one process's), or any ``nn.Dropout``
+            with ``p > 0`` (each rank would draw the same mask for its share of the sequence).
     """
     names = [name for name, _ in module.named_modules() if name]
     found: dict[str, str] = {}
@@ -175,6 +176,12 @@ def matching_plan(module: nn.Module, plan: Mapping[str, str], owner: str, whole:
             raise ValueError(f"{owner}.{name} has attention dropout {module.get_submodule(name).dropout}: context "
                              "parallelism computes attention across ranks without dropout. Set the model's dropout "
                              "to 0.")
+    dropouts = [f"{n} (p={m.p})" for n, m in module.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    if dropouts:
+        raise ValueError(f"{owner} has dropout {', '.join(dropouts[:3])}{', ...' if len(dropouts) > 3 else ''}: under "
+                         "context parallelism each rank would draw its mask for its share of the sequence from the "
+                         "same seed, neither one process's mask nor independent along the sequence. Set the model's "
+                         "dropout to 0 (model.dropout=0 for the GPT recipe) for context parallelism.")
     return found
 
 

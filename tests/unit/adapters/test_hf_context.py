@@ -229,3 +229,13 @@ def test_a_pipeline_takes_the_shift_labels_as_targets_and_does_not_shift_them_ag
     expected = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum")
     assert torch.allclose(total, expected) and int(count) == int((targets != -100).sum())
     assert int(plan.count_items(targets)) == int(count)
+
+
+def test_check_refuses_dropout_outside_attention_naming_each_key():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("starcoder2", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                  residual_dropout=0.1, embedding_dropout=0.0, attention_dropout=0.0)
+    with pytest.raises(ValueError, match=r"config\.residual_dropout=0 for context parallelism"):
+        check_hf_context(AutoModelForCausalLM.from_config(config), "ring", 2)
