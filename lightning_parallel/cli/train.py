@@ -159,10 +159,12 @@ def save_effective_config(cfg: DictConfig, summary: dict[str, Any]) -> Path:
 
 
 def _callbacks(cfg: DictConfig, logger: Any) -> list[Any]:
-    """The configured callbacks, plus the suite's stop-on-signal (always) and step progress bar."""
+    """The configured callbacks, plus the suite's stop-on-signal and exact data resume (always) and step progress
+    bar."""
     import lightning.pytorch as pl
 
     from lightning_parallel.callbacks.evaluation import EvaluationReport
+    from lightning_parallel.callbacks.exact_resume import ExactDataResume
     from lightning_parallel.callbacks.graceful_stop import GracefulStop
     from lightning_parallel.callbacks.progress import StepProgressBar
 
@@ -173,6 +175,8 @@ def _callbacks(cfg: DictConfig, logger: Any) -> list[Any]:
     for callback in callbacks:
         if isinstance(callback, EvaluationReport):
             callback.print_table = False  # its rows go into the one result table
+    if not any(isinstance(c, ExactDataResume) for c in callbacks):  # a resume is exact with any callbacks config
+        callbacks.append(ExactDataResume())
     callbacks.append(GracefulStop(str(cfg.paths.checkpoint_dir)))
     has_bar = any(isinstance(c, pl.callbacks.ProgressBar) for c in callbacks)
     if cfg.trainer.get("enable_progress_bar", True) and not has_bar:
