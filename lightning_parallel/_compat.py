@@ -19,7 +19,8 @@ Touch points, by package:
   state-dict layout of :func:`epoch_end_loop_progress` / :func:`drop_loader_position`.
 * torch: :func:`unflatten_mesh_dim`, :func:`dcp_set_element`, :func:`dcp_metadata_path`, :func:`load_planner_target`.
 * DeepSpeed: :func:`zero_merge_trainable_params`, :func:`zero3_param_coordinator`.
-* transformers: :func:`hf_class_plans`, :func:`hf_init_weights`.
+* transformers: :func:`hf_class_plans`, :func:`hf_init_weights`, :func:`hf_checkpoint_conversions`,
+  :func:`hf_rename_checkpoint_key`.
 * TorchRec (torch's optimizer in backward): :func:`in_backward_optimizer_settings`.
 """
 
@@ -312,3 +313,47 @@ def in_backward_optimizer_settings(param: Any) -> Optional[tuple[type, dict[str,
     if not classes:
         return None
     return classes[0], dict(kwargs[0] if kwargs else {})
+
+
+def hf_checkpoint_conversions(model: Any) -> list[Any]:
+    """The ``WeightRenaming``/``WeightConverter`` list ``from_pretrained`` applies to ``model``'s checkpoint keys
+    (``[]`` for a module that is not a transformers model).
+
+    Why undocumented: transformers documents the converters and their operations (its "Dynamic weight loading"
+    page) but not ``conversion_mapping.get_model_conversion_mapping``, which gathers a model's list (per-expert
+    keys merged into ``gate_up_proj`` for the MoE families); the suite's folder loader matches keys exactly as
+    ``from_pretrained`` does with it.
+    """
+    if not hasattr(model, "config") or not hasattr(model, "base_model_prefix"):
+        return []
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    # transformers looks a model's list up by class name first (GPT-NeoX's ``embed_out`` -> ``lm_head``); FSDP2's
+    # fully_shard swaps a module's class for ``FSDP<name>(FSDPModule, <class>)``: the lookup sees the class again.
+    swapped = [(m, type(m)) for m in model.modules() if hasattr(m, "config") and _fsdp_original(type(m))]
+    try:
+        for module, cls in swapped:
+            module.__class__ = _fsdp_original(cls)
+        return list(get_model_conversion_mapping(model))
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
+
+
+def _fsdp_original(cls: type) -> Optional[type]:
+    """The class FSDP2's ``fully_shard`` derived ``cls`` from (``FSDP<name>`` with bases ``(FSDPModule, <name>)``)."""
+    return next((base for base in cls.__bases__ if cls.__name__ == f"FSDP{base.__name__}"), None)
+
+
+def hf_rename_checkpoint_key(
+    key: str, renamings: list[Any], converters: list[Any], base_model_prefix: Optional[str], model_keys: Any
+) -> tuple[str, Optional[str]]:
+    """``(model key, the converter's source pattern or None)`` for a checkpoint key: every renaming, then at most
+    one converter, then the base model's prefix added or taken off where ``model_keys`` says so.
+
+    Why undocumented: ``core_model_loading.rename_source_key`` is the step of ``from_pretrained`` that does this,
+    with no documented contract.
+    """
+    from transformers.core_model_loading import rename_source_key
+
+    return rename_source_key(key, renamings, converters, base_model_prefix, model_keys)

@@ -1,5 +1,10 @@
 """Start training from a Hugging Face ``save_pretrained`` folder under any layout, each rank reading only its shard.
 
+The folder's keys are matched to the model's as ``from_pretrained`` matches them (the model's conversion mapping:
+a mixture-of-experts folder's per-expert keys fill the fused ``experts.gate_up_proj``/``down_proj``, each rank
+stacking only the experts it owns; :mod:`lightning_parallel.checkpoints.hf.load`). ``lp-train`` checks the folder
+against the model on ``meta`` before any process starts; a mismatch names what differs.
+
 With ``lp-train`` and the HF recipe, ``model.pretrained=DIR`` alone takes the folder's config, vocabulary and
 weights (the recipe adds this callback itself). For any other module, add it from the command line::
 

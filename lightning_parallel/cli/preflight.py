@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -114,24 +115,68 @@ def _check_precision(cfg: DictConfig, strategy: Any, layout: ParallelLayout) -> 
     check_precision(_UNIFIED_PRECISION.get(precision, precision), options, layout)
 
 
-def _check_model(cfg: DictConfig, strategy: Any, layout: ParallelLayout) -> None:
-    """Check the model against the layout (stages vs. layers, tensor size vs. heads) on the meta device."""
+def _meta_model(cfg: DictConfig) -> Any:
+    """``cfg.model`` built on the meta device (``configure_model`` included); None when it needs the Trainer."""
     import torch
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
+    with torch.device("meta"):
+        try:
+            model = instantiate(cfg.model)
+        except InstantiationException as exc:
+            if isinstance(exc.__cause__, ValueError):
+                raise exc.__cause__ from None
+            raise
+        try:  # a model built in configure_model (on meta under the suite's strategies, as here)
+            getattr(model, "configure_model", lambda: None)()
+        except (RuntimeError, AttributeError):
+            return None  # it needs the Trainer or the mesh: the strategy checks it in setup, before any step
+    return model
+
+
+def _check_model(cfg: DictConfig, strategy: Any, layout: ParallelLayout) -> None:
+    """Check the model against the layout (stages vs. layers, tensor size vs. heads) on the meta device."""
     from lightning_parallel.parallel.compose import check_module
 
     options = getattr(_strategy_object(strategy), "options", None)
     if options is None or not (layout.pipeline_parallel_enabled or layout.tensor_parallel_enabled
                                or layout.context_parallel_enabled):
         return
-    with torch.device("meta"):
-        model = instantiate(cfg.model)
-        try:  # a model built in configure_model (on meta under the suite's strategies, as here)
-            getattr(model, "configure_model", lambda: None)()
-        except (RuntimeError, AttributeError):
-            return  # it needs the Trainer or the mesh: the strategy checks it in setup, before any step
-    check_module(model, layout, options)
+    model = _meta_model(cfg)
+    if model is not None:
+        check_module(model, layout, options)
+
+
+def _pretrained_folders(cfg: DictConfig) -> list[tuple[str, Optional[str], str]]:
+    """``(folder, prefix or None, the setting naming it)`` of ``model.pretrained`` and ``HuggingFaceWeights``
+    callbacks."""
+    found = []
+    model = cfg.get("model")
+    if OmegaConf.is_dict(model) and model.get("pretrained"):
+        found.append((str(model.pretrained), None, "model.pretrained"))
+    callbacks = cfg.get("callbacks")
+    for name, callback in (callbacks.items() if OmegaConf.is_dict(callbacks) else []):
+        if OmegaConf.is_dict(callback) and str(callback.get("_target_", "")).endswith("HuggingFaceWeights"):
+            found.append((str(callback.get("folder")), callback.get("prefix"), f"callbacks.{name}.folder"))
+    return found
+
+
+def _check_pretrained(cfg: DictConfig) -> None:
+    """A ``save_pretrained`` folder that does not fit the model (keys, shapes, as ``from_pretrained`` matches them)
+    fails here, naming the difference, not in every rank after start."""
+    folders = _pretrained_folders(cfg)
+    model = _meta_model(cfg) if folders else None
+    if model is None:
+        return
+    from lightning_parallel.callbacks.hf_weights import hf_model_prefix
+    from lightning_parallel.checkpoints.hf.load import match_folder
+
+    for folder, prefix, setting in folders:
+        try:
+            match_folder(model, Path(folder), prefix if prefix is not None else hf_model_prefix(model))
+        except ValueError as exc:
+            raise ValueError(f"{setting}={folder}: {exc}") from exc
 
 
 def _check_sequence(cfg: DictConfig, layout: ParallelLayout) -> None:
@@ -220,7 +265,7 @@ def preflight(cfg: DictConfig) -> tuple[Any, ParallelLayout]:
 
     Raises:
         ConfigError: the first thing that cannot work, in the order trainer, data, sizes, world, schedule, precision,
-            model.
+            model, pretrained weights.
     """
     try:
         _check_trainer(cfg)
@@ -229,6 +274,7 @@ def preflight(cfg: DictConfig) -> tuple[Any, ParallelLayout]:
         layout = layout_of(strategy, world_size_of(cfg), int(cfg.trainer.num_nodes))
         _check_precision(cfg, strategy, layout)
         _check_model(cfg, strategy, layout)
+        _check_pretrained(cfg)
         _check_sequence(cfg, layout)
     except ValueError as exc:
         raise ConfigError(qualified(str(exc))) from exc

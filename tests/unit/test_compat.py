@@ -243,3 +243,46 @@ def test_in_backward_optimizer_settings_are_read_from_the_parameter():
     assert _compat.in_backward_optimizer_settings(layer.weight) is None
     _apply_optimizer_in_backward(torch.optim.Adagrad, [layer.weight], {"lr": 0.05})
     assert _compat.in_backward_optimizer_settings(layer.weight) == (torch.optim.Adagrad, {"lr": 0.05})
+
+
+def test_transformers_conversion_mapping_stacks_mixtrals_per_expert_keys():
+    """``hf_checkpoint_conversions`` / ``hf_rename_checkpoint_key``: the list ``from_pretrained`` uses, and its key
+    step, with the converter fields the folder loader reads (``source_patterns``, ``target_patterns``, ``operations``
+    with ``dim``)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, num_local_experts=2)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    conversions = _compat.hf_checkpoint_conversions(model)
+    renamings = [c for c in conversions if not hasattr(c, "operations")]
+    converters = [c for c in conversions if hasattr(c, "operations")]
+    known = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    key = "model.layers.0.block_sparse_moe.experts.1.w3.weight"
+    renamed, pattern = _compat.hf_rename_checkpoint_key(key, renamings, converters, "model", known)
+    assert renamed == "model.layers.0.mlp.experts.gate_up_proj" and pattern == ".experts.*.w3.weight"
+    converter = next(c for c in converters if pattern in c.source_patterns)
+    assert [(type(op).__name__, op.dim) for op in converter.operations] == [("MergeModulelist", 0), ("Concatenate", 1)]
+    assert _compat.hf_checkpoint_conversions(nn.Linear(2, 2)) == []
+
+
+def test_transformers_class_keyed_conversions_are_found_under_fsdp2s_class_rename():
+    """GPT-NeoX's list (``embed_out`` -> ``lm_head``) is keyed by class name; FSDP2 derives ``FSDP<name>`` from
+    ``(FSDPModule, <class>)`` (checked in its source), which ``hf_checkpoint_conversions`` sees through."""
+    import inspect
+
+    transformers = pytest.importorskip("transformers")
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
+
+    derive = inspect.getsource(_fsdp_init._apply_to_module)
+    assert "{wrapper_cls_prefix}{cls.__name__}" in derive and "(wrapper_module_cls, cls)" in derive
+    assert 'FSDPModule, "FSDP"' in inspect.getsource(_fully_shard.fully_shard)
+    config = transformers.GPTNeoXConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    cls = type(model)
+    model.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    sources = [c.source_patterns for c in _compat.hf_checkpoint_conversions(model)]
+    assert [r"^embed_out\."] in sources and type(model).__name__ == "FSDPGPTNeoXForCausalLM"

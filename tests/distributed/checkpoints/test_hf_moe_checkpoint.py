@@ -1,5 +1,6 @@
 """A Hugging Face MoE model trained under expert parallelism: its checkpoint resumes under another expert size, and
-``lp-convert --to hf`` writes the family's own expert layout, which ``from_pretrained`` loads (issue 31).
+``lp-convert --to hf`` writes what the family's ``save_pretrained`` writes (one key per expert in transformers 5.25),
+which ``from_pretrained`` loads into its grouped experts (issue 31).
 
 Mixtral and Qwen3-MoE (4 experts, top 2, the router balancing loss in the objective), right-padded batches, AdamW,
 clipping. Saved after 4 steps under data 2 x expert 2 (each rank holds 2 experts as ``Shard(0)`` slices of
