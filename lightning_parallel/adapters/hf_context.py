@@ -112,6 +112,14 @@ def check_hf_context(model: nn.Module, method: str, size: int, tensor_size: int 
     if dropout > 0:
         raise _refuse(cls, f"has config.attention_dropout={dropout}: attention computed across ranks has no dropout "
                       "(one process's random mask could not be reproduced)", "Set config.attention_dropout=0")
+    _check_other_dropout(cls, config)
+    heads = getattr(config, "num_attention_heads", None)
+    if method == "ulysses" and heads:
+        check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, size, tensor_size)
+
+
+def _check_other_dropout(cls: str, config: Any) -> None:
+    """Refuse dropout outside attention: each context rank would draw its share's mask from the same seed."""
     others = {key: value for key, value in config.to_dict().items() if _DROPOUT.search(key)
               and not key.startswith(("classifier", "summary")) and key != "attention_dropout"
               and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0}
@@ -120,9 +128,6 @@ def check_hf_context(model: nn.Module, method: str, size: int, tensor_size: int 
                       "each context rank would draw its mask for its share of the sequence from the same seed, "
                       "neither one process's mask nor independent along the sequence",
                       f"Set {' and '.join(f'config.{k}=0' for k in others)} for context parallelism")
-    heads = getattr(config, "num_attention_heads", None)
-    if method == "ulysses" and heads:
-        check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, size, tensor_size)
 
 
 # The batch ---------------------------------------------------------------------------------

@@ -44,13 +44,24 @@ def checkpoint_step(path: Path) -> Optional[int]:
     """
     import torch
 
-    source = path / "meta.pt" if path.is_dir() else path
     try:
-        state = torch.load(source, map_location="cpu", mmap=not path.is_dir(), weights_only=True)
+        source = _step_file(path)
+        state = torch.load(source, map_location="cpu", mmap=source.name != "meta.pt", weights_only=True)
         return int(state["global_step"])
     except Exception:  # noqa: BLE001 - a checkpoint with more than plain values: fall back to its name
         match = re.search(r"step[=_-]?(\d+)", path.name)
         return int(match.group(1)) if match else None
+
+
+def _step_file(path: Path) -> Path:
+    """The file of a checkpoint that records its global step: the file itself, a sharded folder's ``meta.pt``, or a
+    DeepSpeed folder's model-states file (Lightning's entries ride in DeepSpeed's client state)."""
+    if not path.is_dir() or (path / "meta.pt").is_file():
+        return path / "meta.pt" if path.is_dir() else path
+    from lightning_parallel.checkpoints.deepspeed.folder import first_model_states, resolve_folder
+
+    top, tag = resolve_folder(path, None)
+    return first_model_states(top / tag)
 
 
 def recent_runs(root: Path, label: dict[str, Any], limit: int = 5) -> list[tuple[Path, Optional[Path]]]:
@@ -94,7 +105,8 @@ def no_checkpoint_message(checkpoint_dir: Path, root: Path, label: dict[str, Any
 
 
 def resume_overrides(folder: Path, given: list[str]) -> list[str]:
-    """The overrides ``resume=<folder>`` runs with: the original run's, then those given now (which win).
+    """The overrides ``resume=<folder>`` runs with: the original run's, then those given now (which win; a group
+    chosen anew, ``strategy=tensor``, drops the original's settings of that group, ``strategy.*``).
 
     Args:
         folder: the run folder to continue in (its ``.hydra/overrides.yaml`` holds the original overrides).
@@ -110,7 +122,11 @@ def resume_overrides(folder: Path, given: list[str]) -> list[str]:
                          f"lp-train made, e.g. outputs/<date>/<run>")
     original = yaml.safe_load((folder / ".hydra" / "overrides.yaml").read_text()) or []
     keys = {_key(o) for o in given}
-    kept = [o for o in original if _key(o) not in keys and _key(o) not in _NOT_REPEATED]
+    # A new group choice (strategy=single) starts that group afresh: the run's strategy.* settings belonged to its
+    # old choice and may not exist in the new one (Hydra refused `resume=... strategy=single` after a hybrid run).
+    groups = tuple(f"{key}." for key in keys if "." not in key)
+    kept = [o for o in original
+            if _key(o) not in keys and _key(o) not in _NOT_REPEATED and not _key(o).startswith(groups)]
     return [*kept, *given]
 
 

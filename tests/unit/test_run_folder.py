@@ -103,6 +103,23 @@ def test_resume_replays_the_original_overrides_and_the_new_ones_win(tmp_path):
         resume_overrides(tmp_path / "nope", given)
 
 
+def test_a_resume_that_chooses_a_group_anew_drops_the_old_choices_settings(tmp_path):
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text(
+        "- model=gpt_moe\n- strategy=hybrid\n- strategy.expert_parallel_size=2\n- trainer.devices=2\n")
+    given = [f"resume={tmp_path}", "strategy=single", "trainer.devices=1"]
+    assert resume_overrides(tmp_path, given) == ["model=gpt_moe", *given]
+
+
+def test_the_furthest_checkpoint_wins_over_the_newest_file(tmp_path):
+    import os
+
+    torch.save({"global_step": 14}, tmp_path / "last-stop.ckpt")
+    torch.save({"global_step": 12}, tmp_path / "last.ckpt")
+    os.utime(tmp_path / "last-stop.ckpt", (1, 1))  # older file, further step
+    assert last_checkpoint(tmp_path) == tmp_path / "last-stop.ckpt"
+
+
 @pytest.mark.parametrize(("max_steps", "accumulate", "interval", "expected"),
                          [(10, 1, 100, 10), (400, 1, 100, None), (6, 1, 3, None), (4, 1, 3, 2), (5, 2, 100, 10),
                           (7, 1, 3, None), (10, 1, 4, 2), (12, 1, 5, 4)])
