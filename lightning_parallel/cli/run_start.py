@@ -102,6 +102,35 @@ def start_checkpoint(cfg: DictConfig) -> Optional[Path]:
     return path
 
 
+ONE_PROCESS = "strategy=hybrid strategy.pipeline_parallel_size=1 strategy.tensor_parallel_size=1 trainer.devices=1"
+
+
+def check_start_readable(strategy: Any, start: Optional[Path]) -> None:
+    """Refuse, before any rank starts, a sharded checkpoint folder under one of Lightning's own strategies.
+
+    Lightning's single-device and DDP strategies read single files only; they failed after start-up with
+    ``IsADirectoryError`` on a folder the suite's strategies wrote (seen: a data 2 x expert 2 run resumed with
+    ``strategy=single``). The suite's strategies read every format at any layout, one process included.
+
+    Args:
+        strategy: the strategy the run builds (a registered name such as ``"auto"``, or an object).
+        start: the checkpoint every rank loads (None: a fresh start).
+
+    Raises:
+        ConfigError: ``start`` is a folder and ``strategy`` is not one of the suite's.
+    """
+    if start is None or not start.is_dir() or type(strategy).__module__.startswith("lightning_parallel."):
+        return
+    from lightning_parallel.checkpoints.detect import describe_checkpoint
+
+    name = strategy if isinstance(strategy, str) else type(strategy).__name__
+    raise ConfigError(
+        f"{start} is a sharded checkpoint folder ({describe_checkpoint(start)[1]}), which Lightning's own strategy "
+        f"({name}) cannot read. On one process, resume with the suite's strategy at size 1 ({ONE_PROCESS}; it "
+        f"reads every checkpoint the suite writes, at any layout), or convert it first: lp-convert {start} "
+        "model.ckpt --to lightning, then ckpt_path=model.ckpt.")
+
+
 def validation_schedule(cfg: DictConfig) -> Optional[str]:
     """Make validation run at least once and, where it costs at most twice the validations, on the last step.
 
@@ -199,6 +228,7 @@ def prepare_run(cfg: DictConfig) -> PreparedRun:
         raise ConfigError(str(exc)) from exc
     strategy, layout = preflight(cfg)  # before any other rank starts: a bad config is reported once
     start = start_checkpoint(cfg)
+    check_start_readable(strategy, start)
     identity = claim_run_folder(cfg, bool(launched_externally()))
     note = validation_schedule(cfg)
     with open_dict(cfg):

@@ -107,7 +107,8 @@ CELLS = {
         ("trainer.devices=4", "strategy.expert_parallel_size=4", "data.batch_size=2")),
     "data 2 x expert 2 -> one process": (
         MOE, [*HYBRID, "strategy.expert_parallel_size=2", *DATA2],
-        ("strategy=single", "trainer.devices=1", *WHOLE)),
+        ("strategy=hybrid", "strategy.pipeline_parallel_size=1", "strategy.tensor_parallel_size=1",
+         "trainer.devices=1", *WHOLE)),
 }
 EXTENDED = {
     "data 2 (DDP)": (GPT, ["strategy=ddp", *DATA2], ()),

@@ -150,3 +150,16 @@ def test_a_failed_job_gets_a_row_with_its_errors_first_line(tmp_path):
     assert row["status"] == "failed: data.path=x does not exist: give a file"
     assert json.loads((tmp_path / "3_data.path=x" / "failure.json").read_text())["type"] == "ValueError"
     assert os.path.basename(row["job"]) == "3_data.path=x"
+
+
+def test_a_sharded_folder_under_lightnings_own_strategy_is_refused_before_start_with_both_fixes(tmp_path):
+    from lightning_parallel.cli.run_start import check_start_readable
+    from lightning_parallel.strategies import HybridParallelStrategy
+
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="strategy=hybrid strategy.pipeline_parallel_size=1 .*lp-convert"):
+        check_start_readable("auto", folder)
+    check_start_readable(HybridParallelStrategy(), folder)  # the suite reads it
+    torch.save({"global_step": 1}, tmp_path / "one.ckpt")
+    check_start_readable("auto", tmp_path / "one.ckpt")  # Lightning reads single files
