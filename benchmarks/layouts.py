@@ -51,6 +51,7 @@ def planned_gpt_class() -> type:
     """The GPT recipe with the same tensor-parallel plan applied in ``configure_model`` (for Lightning's
     ``ModelParallelStrategy``, the anchor of ``tensor_parallel``)."""
     from examples.nlp.model import GPT
+    from lightning_parallel.adapters import adapt
     from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, resolve_plan
 
     class PlannedGPT(GPT):
@@ -59,7 +60,9 @@ def planned_gpt_class() -> type:
         def configure_model(self) -> None:
             super().configure_model()  # the recipe's layers (built already by _new_model)
             if not getattr(self, "_planned", False):
-                apply_tensor_parallel(self, self.device_mesh["tensor_parallel"], resolve_plan(self, None))
+                adapter = adapt(self)
+                plan = resolve_plan(self, None, adapter=adapter)
+                apply_tensor_parallel(self, self.device_mesh["tensor_parallel"], plan, adapter)
                 self._planned = True
 
     return PlannedGPT

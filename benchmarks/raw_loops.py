@@ -208,10 +208,13 @@ class RawTensor(RawLoop):
     def _build(self, strategy: Any) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
+        from lightning_parallel.adapters import adapt
         from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, resolve_plan
 
         mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("tensor_parallel",))
-        apply_tensor_parallel(self.model, mesh["tensor_parallel"], resolve_plan(self.model, None))
+        adapter = adapt(self.model)
+        plan = resolve_plan(self.model, None, adapter=adapter)
+        apply_tensor_parallel(self.model, mesh["tensor_parallel"], plan, adapter)
         super()._build(strategy)
 
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_parallel.layout import PIPELINE_PARALLEL
-from lightning_parallel.parallel.adapter import LossWeighting, ModelAdapter
+from lightning_parallel.parallel.adapter import LossWeighting
 from lightning_parallel.parallel.experts.sharded import ExpertParallel
 from lightning_parallel.parallel.pipeline.runner import PipelineRunner, default_item_count
 from lightning_parallel.parallel.pipeline.step_hooks import PipelineStep
@@ -104,7 +104,7 @@ class PipelinedExecutor(DirectExecutor):
         # The loss averages over data replicas x context ranks (each holds a share of every sequence).
         self.dp_group, self.data_parallel = strategy.loss_group()
         module = strategy.lightning_module
-        self.adapter = parallelized.adapter or ModelAdapter.resolve(module)
+        self.adapter = parallelized.adapter
         # Terms (loss_sum, num_items) as the adapter's pipeline plan said: the module's
         # pipeline_loss_terms, or a causal LM's token-weighted loss.
         self.loss_terms = parallelized.loss_terms
@@ -241,7 +241,5 @@ def choose_executor(strategy: Any, parallelized: Optional[Parallelized]) -> Dire
     group, size = strategy.loss_group()  # data replicas x context ranks
     if size > 1:
         accumulation = module.trainer.accumulate_grad_batches
-        adapter = parallelized.adapter or ModelAdapter.resolve(module)
-        weighting = adapter.loss_weighting(group, size, accumulation, warn=strategy.global_rank == 0)
+        weighting = parallelized.adapter.loss_weighting(group, size, accumulation, warn=strategy.global_rank == 0)
     return DirectExecutor(parallelized.options.loss_parallel, weighting)
-

@@ -4,13 +4,12 @@ layout, cut it into stages and keep this rank's, with its tied copies and the ra
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from torch import nn
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallel import activation_checkpoint
-from lightning_parallel.parallel.adapter import ModelAdapter
 from lightning_parallel.parallel.data import uses_data_axis
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.pipeline import tied as pipeline_tied
@@ -20,12 +19,18 @@ from lightning_parallel.parallel.pipeline.plan import PipelinePlan
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, stage_ids_for_rank, validate_schedule
 from lightning_parallel.parallel.pipeline.stages import PipelineSplit, layer_names, shared_parameters, split_module
 
+if TYPE_CHECKING:
+    from lightning_parallel.parallel.adapter import ModelAdapter
+
 
 def check_pipeline(
-    module: nn.Module, layout: ParallelLayout, options: ParallelOptions, *, adapter: Optional[ModelAdapter] = None
+    module: nn.Module, layout: ParallelLayout, options: ParallelOptions, *, adapter: ModelAdapter
 ) -> PipelinePlan:
-    """The pipeline half of :func:`check_module`; returns the adapter's pipeline plan."""
-    plan = (adapter or ModelAdapter.resolve(module)).pipeline_plan()
+    """The pipeline half of :func:`check_module`; returns the adapter's pipeline plan.
+
+    ``adapter`` is the model's adapter, resolved once by the caller.
+    """
+    plan = adapter.pipeline_plan()
     validate_schedule(options.schedule, layout.pipeline_parallel, options.stages_per_rank, options.microbatches)
     activation_checkpoint.check_schedule(options.activation_checkpointing, options.schedule)
     num_layers, num_stages = len(plan.layers), options.num_stages(layout.pipeline_parallel)
@@ -79,14 +84,14 @@ def split_pipeline(
     layout: ParallelLayout,
     options: ParallelOptions,
     rank: int,
-    layer_times: Optional[Sequence[float]] = None,
-    plan: Optional[PipelinePlan] = None,
+    layer_times: Optional[Sequence[float]],
+    plan: PipelinePlan,
 ) -> tuple[PipelineSplit, list[nn.Module], list[int]]:
     """Cut ``module`` into stages and keep this rank's (step 1 of :func:`parallelize`).
 
-    ``plan`` is the adapter's pipeline plan (default: ``ModelAdapter.resolve(module).pipeline_plan()``).
+    ``layer_times`` are the measured seconds per layer (``partition="time"``, else None) and ``plan`` is the
+    adapter's pipeline plan (:func:`check_pipeline`'s answer).
     """
-    plan = plan or ModelAdapter.resolve(module).pipeline_plan()
     num_stages = options.num_stages(layout.pipeline_parallel)
     bounds = partition_layers(plan.layers, num_stages, options.partition, layer_times)
     pipeline_rank = layout.coordinates(rank).pipeline

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from examples.nlp.model import GPT
+from lightning_parallel.adapters import adapt
 from lightning_parallel.parallel.gradients import clip_grad_norm_
 from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, loss_parallel_context, resolve_plan
 from lightning_parallel.testing.models import OPTIMIZERS
@@ -26,6 +27,13 @@ VOCAB, SEQ, BATCH = 256, 16, 4
 def tiny_gpt(seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     return GPT(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layer=2, n_head=4, mlp_ratio=4, dropout=0.0).build()
+
+
+def shard(model: torch.nn.Module, mesh, overrides: Any = None, **options: bool) -> None:
+    """Resolve ``model``'s plan (``options``: sequence_parallel, loss_parallel) and apply it over ``mesh``, with the
+    adapter resolved once as a strategy does."""
+    adapter = adapt(model)
+    apply_tensor_parallel(model, mesh, resolve_plan(model, overrides, **options, adapter=adapter), adapter)
 
 
 def batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -83,7 +91,7 @@ def gpt_parity(
         if perturb and dist.get_rank() == dist.get_world_size() - 1:
             with torch.no_grad():
                 sharded.blocks["0"].ln1.weight.add_(0.1)
-        apply_tensor_parallel(sharded, mesh, resolve_plan(sharded, sequence_parallel=sp, loss_parallel=lp))
+        shard(sharded, mesh, sequence_parallel=sp, loss_parallel=lp)
         losses, norms = train(sharded, opt, steps, clip, lp, clip_grad_norm_)
         results.append(
             dict(case=(sp, lp, opt, clip), losses=losses, ref_losses=ref_losses, norms=norms, ref_norms=ref_norms)
@@ -103,7 +111,7 @@ def gpt_collectives(mesh, cases: list[tuple[bool, bool, dict]]) -> list[dict[str
     inputs, targets = batches(1)[0]
     for sp, lp, overrides in cases:
         model = tiny_gpt()
-        apply_tensor_parallel(model, mesh, resolve_plan(model, overrides, sequence_parallel=sp, loss_parallel=lp))
+        shard(model, mesh, overrides, sequence_parallel=sp, loss_parallel=lp)
         with loss_parallel_context(lp):
             with CommDebugMode() as forward:
                 loss = model.pipeline_loss(model(inputs), targets)
@@ -128,7 +136,7 @@ def parameter_bytes(mesh) -> dict[str, Any]:
 
     model = tiny_gpt()
     full = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
-    apply_tensor_parallel(model, mesh, resolve_plan(model, sequence_parallel=True))
+    shard(model, mesh, sequence_parallel=True)
     sharded, replicated = {}, {}
     for name, p in model.named_parameters():
         local = p.to_local() if isinstance(p, DTensor) else p

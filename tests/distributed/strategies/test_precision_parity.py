@@ -25,6 +25,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_parallel.adapters import adapt
 from lightning_parallel.layout import DATA_PARALLEL, TENSOR_PARALLEL, ParallelLayout
 from lightning_parallel.parallel.compose import parallelize
 from lightning_parallel.parallel.data import shard_data_axis
@@ -132,7 +133,9 @@ def _norm_gradient_reductions(rank: int, world_size: int, mesh, hand_built_polic
     if hand_built_policy:  # torchtitan's policy, which the suite refuses with tensor parallelism
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        apply_tensor_parallel(module, mesh[TENSOR_PARALLEL], resolve_plan(module, None, sequence_parallel=True))
+        adapter = adapt(module)
+        plan = resolve_plan(module, None, sequence_parallel=True, adapter=adapter)
+        apply_tensor_parallel(module, mesh[TENSOR_PARALLEL], plan, adapter)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         shard_data_axis(list(module.pipeline_layers()), [module], mesh[DATA_PARALLEL], 2, policy)
     else:

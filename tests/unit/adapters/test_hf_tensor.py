@@ -40,7 +40,7 @@ def llama():
 
 
 def test_plan_is_rerooted_and_mapped_to_styles_of_the_same_numerics(llama):
-    plan = resolve_plan(llama)
+    plan = resolve_plan(llama, adapter=adapt(llama))
     assert type(plan["model.model.layers.1.self_attn.k_proj"]) is ColwiseParallel
     assert plan["model.model.layers.0.self_attn.q_proj"].output_layouts == (Shard(-1),)
     assert plan["model.model.layers.0.mlp.down_proj"].output_layouts == (Replicate(),)
@@ -57,18 +57,19 @@ def test_user_plan_and_strategy_plan_still_win(llama):
         def tensor_parallel_plan(self):
             return {"model.model.layers.*.mlp.up_proj": "colwise", "model.model.layers.*.mlp.down_proj": "rowwise"}
 
-    assert sorted(resolve_plan(Own())) == [
+    own = Own()
+    assert sorted(resolve_plan(own, adapter=adapt(own))) == [
         f"model.model.layers.{i}.mlp.{p}" for i in range(2) for p in ("down_proj", "up_proj")
     ]
-    plan = resolve_plan(llama, {"model.lm_head": None, "model.model.layers.*.mlp.*_proj": None})
+    plan = resolve_plan(llama, {"model.lm_head": None, "model.model.layers.*.mlp.*_proj": None}, adapter=adapt(llama))
     assert "model.lm_head" not in plan and not [name for name in plan if ".mlp." in name]
     # transformers' own names are understood in the strategy's plan too.
-    plan = resolve_plan(llama, {"model.model.layers.*.self_attn.o_proj": "rowwise_split_input"})
+    plan = resolve_plan(llama, {"model.model.layers.*.self_attn.o_proj": "rowwise_split_input"}, adapter=adapt(llama))
     assert plan["model.model.layers.1.self_attn.o_proj"].input_layouts == (Replicate(),)
 
 
 def test_sequence_parallel_entries_for_a_decoder(llama):
-    plan = resolve_plan(llama, sequence_parallel=True)
+    plan = resolve_plan(llama, sequence_parallel=True, adapter=adapt(llama))
     for norm in ("layers.0.input_layernorm", "layers.1.post_attention_layernorm", "norm"):
         style = plan[f"model.model.{norm}"]
         assert isinstance(style, SequenceParallel) and style.use_local_output  # LlamaRMSNorm, by duck type
@@ -95,8 +96,9 @@ def test_norms_are_recognised_by_duck_type():
 def test_tied_embedding_and_head_are_sharded_alike():
     tied = Holder("qwen2", tie_word_embeddings=True)
     assert tied.model.lm_head.weight is tied.model.model.embed_tokens.weight
-    validate_tensor_parallel(tied, resolve_plan(tied), 2)
-    validate_tensor_parallel(tied, resolve_plan(tied, sequence_parallel=True), 2)
+    adapter = adapt(tied)
+    validate_tensor_parallel(tied, resolve_plan(tied, adapter=adapter), 2, adapter=adapter)
+    validate_tensor_parallel(tied, resolve_plan(tied, sequence_parallel=True, adapter=adapter), 2, adapter=adapter)
 
 
 def test_every_transformers_style_is_mapped_or_refused():
@@ -107,6 +109,11 @@ def test_every_transformers_style_is_mapped_or_refused():
     assert names <= known, names - known
 
 
+def _resolve(module, overrides=None, **options):
+    """``resolve_plan`` with the adapter a strategy would resolve once for ``module``."""
+    return resolve_plan(module, overrides, **options, adapter=adapt(module))
+
+
 def _with_packed_gate():
     holder = Holder("llama")
     holder.model.tp_plan = {**holder.model.tp_plan, "model.layers.*.mlp.gate_proj": "packed_colwise"}
@@ -115,16 +122,16 @@ def _with_packed_gate():
 
 def _untied_by_plan():
     tied = Holder("qwen2", tie_word_embeddings=True)
-    validate_tensor_parallel(tied, resolve_plan(tied, {"model.model.embed_tokens": None}), 2)
+    validate_tensor_parallel(tied, _resolve(tied, {"model.model.embed_tokens": None}), 2, adapter=adapt(tied))
 
 
 def _sequence_parallel_with_unplanned_mlp():
-    resolve_plan(Holder("llama"), {"model.model.layers.*.mlp.*_proj": None}, sequence_parallel=True)
+    _resolve(Holder("llama"), {"model.model.layers.*.mlp.*_proj": None}, sequence_parallel=True)
 
 
 def _no_plan_at_all():
     module = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
-    validate_tensor_parallel(module, resolve_plan(module), 2)
+    validate_tensor_parallel(module, resolve_plan(module, adapter=adapt(module)), 2, adapter=adapt(module))
 
 
 def _hf_model_without_a_plan():
@@ -133,7 +140,7 @@ def _hf_model_without_a_plan():
         holder.model = transformers.GPT2LMHeadModel(
             transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128)
         )
-    validate_tensor_parallel(holder, resolve_plan(holder), 2)
+    validate_tensor_parallel(holder, resolve_plan(holder, adapter=adapt(holder)), 2, adapter=adapt(holder))
 
 
 def _check_module(module, tensor_parallel, **options):
@@ -145,10 +152,10 @@ def _check_module(module, tensor_parallel, **options):
 
 # (what goes wrong, the call, what the message must say): each a ValueError before any process group.
 ERRORS = [
-    ("refused transformers style", lambda: resolve_plan(_with_packed_gate()),
+    ("refused transformers style", lambda: _resolve(_with_packed_gate()),
      r"LlamaForCausalLM's tensor-parallel plan gives 'model\.model\.layers\.0\.mlp\.gate_proj' the transformers "
      r"style 'packed_colwise', which the suite cannot run: fused projections .*plan=\{'model\.model\.layers\.0"),
-    ("unknown style name", lambda: resolve_plan(Holder("llama"), {"model.lm_head": "columnwise_gather"}),
+    ("unknown style name", lambda: _resolve(Holder("llama"), {"model.lm_head": "columnwise_gather"}),
      r"'model\.lm_head' has style 'columnwise_gather': use one of colwise, rowwise"),
     ("tensor size 4 over 2 key/value heads", lambda: _check_module(Holder("llama"), 4),
      r"tensor_parallel_size=4 does not divide.*LlamaConfig has num_key_value_heads=2.*divide every sharded "
@@ -185,12 +192,12 @@ def test_errors_name_the_fix_before_any_process_group(case, call, message):
 def test_refused_style_is_lifted_by_a_plan_override():
     holder = _with_packed_gate()
     assert isinstance(adapt(holder).tensor_plan()[1]["model.model.layers.*.mlp.gate_proj"], RefusedStyle)
-    plan = resolve_plan(holder, {"model.model.layers.*.mlp.gate_proj": "colwise"})
+    plan = resolve_plan(holder, {"model.model.layers.*.mlp.gate_proj": "colwise"}, adapter=adapt(holder))
     assert type(plan["model.model.layers.0.mlp.gate_proj"]) is ColwiseParallel
 
 
 def test_per_head_norms_sum_their_gradients():
-    plan = resolve_plan(Holder("qwen3"))  # q_norm/k_norm: transformers' replicated_with_grad_allreduce
+    plan = _resolve(Holder("qwen3"))  # q_norm/k_norm: transformers' replicated_with_grad_allreduce
     # Hooked when the norm runs, on the parameter objects it then holds (a meta build gets new ones).
     assert isinstance(plan["model.model.layers.0.self_attn.q_norm"], SumGradientsOnUse)
     assert type(plan["model.model.layers.0.self_attn.q_proj"]) is ColwiseParallel
@@ -203,7 +210,7 @@ def test_plan_built_from_class_and_config_when_the_instance_has_none():
     _, plan = adapt(tied).tensor_plan()
     assert plan["model.lm_head"] == "colwise_gather" and plan["model.model.layers.*.mlp.down_proj"] == "rowwise"
     assert plan["model.model.embed_tokens"] == "embedding_rowwise"  # added: the tied head must not be sharded alone
-    validate_tensor_parallel(tied, resolve_plan(tied), 2)
+    validate_tensor_parallel(tied, resolve_plan(tied, adapter=adapt(tied)), 2, adapter=adapt(tied))
 
 
 def test_a_config_tie_the_weights_no_longer_keep_is_detected():

@@ -10,6 +10,7 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from lightning_parallel.adapters import adapt  # noqa: E402
 from lightning_parallel.adapters.hf_loss import TokenWeightedLoss  # noqa: E402
 from lightning_parallel.layout import DATA_PARALLEL  # noqa: E402
 from lightning_parallel.strategies.executors import DirectExecutor, choose_executor  # noqa: E402
@@ -33,15 +34,17 @@ def _strategy(module: nn.Module, data_parallel: int = 2) -> SimpleNamespace:
                            loss_group=lambda: (None, data_parallel))
 
 
-def _parallelized(data_parallel: int) -> SimpleNamespace:
+def _parallelized(module: nn.Module, data_parallel: int) -> SimpleNamespace:
+    """What parallelize returns, as far as choose_executor reads it: the adapter the strategy resolved once."""
     layout = SimpleNamespace(data_parallel=data_parallel, data_parallel_enabled=data_parallel > 1)
-    return SimpleNamespace(pipelined=False, layout=layout, options=SimpleNamespace(loss_parallel=False), adapter=None)
+    return SimpleNamespace(pipelined=False, layout=layout, options=SimpleNamespace(loss_parallel=False),
+                           adapter=adapt(module))
 
 
 @pytest.mark.parametrize(("data_parallel", "weighted"), [(1, False), (2, True)])
 def test_direct_executor_token_weights_a_causal_lm_under_data_parallelism(data_parallel, weighted):
     module = _holder()
-    executor = choose_executor(_strategy(module, data_parallel), _parallelized(data_parallel))
+    executor = choose_executor(_strategy(module, data_parallel), _parallelized(module, data_parallel))
     assert type(executor) is DirectExecutor
     assert isinstance(executor.weighting, TokenWeightedLoss) is weighted
     if weighted:
@@ -52,7 +55,7 @@ def test_direct_executor_token_weights_a_causal_lm_under_data_parallelism(data_p
 def test_a_module_without_a_hugging_face_model_is_not_weighted():
     plain = nn.Linear(2, 2)
     plain.trainer = SimpleNamespace(accumulate_grad_batches=1)
-    assert choose_executor(_strategy(plain), _parallelized(2)).weighting is None
+    assert choose_executor(_strategy(plain), _parallelized(plain, 2)).weighting is None
 
 
 def test_weighting_is_active_during_training_and_evaluation_steps_only():
