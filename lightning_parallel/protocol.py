@@ -35,7 +35,7 @@ this suite, which use them to split the model:
 * ``pipeline_split_batch(batch)`` -- how a batch splits into model input and target
   (default: an ``(inputs, targets)`` pair; a model adapter may know better -- for a module
   holding a Hugging Face model, a dict batch splits into the dict without ``labels`` and the
-  ``labels``).
+  ``labels``). The suite asks the run's adapter: ``lightning_parallel.adapters.adapt(module).split_batch(batch)``.
 * ``tensor_parallel_plan()`` -- submodule names (fnmatch globs such as ``"blocks.*.mlp.up"``
   allowed) mapped to a torch ``ParallelStyle`` or a style name of
   :data:`lightning_parallel.parallel.tensor.plan.STYLE_NAMES`. Reshape activations with ``-1``
@@ -52,7 +52,8 @@ allocated.
 A module that defines none of these methods may still be split when a model adapter
 understands it (:func:`lightning_parallel.adapters.adapt`): a Hugging Face decoder-only causal LM
 is split from the model's own pipeline plan, with ``transformers``' causal-LM loss taken as
-token-weighted terms. This module knows only the protocol; the adapters build on it.
+token-weighted terms. This module knows only the protocol and imports nothing of the suite's (no adapter, nothing
+of :mod:`lightning_parallel.parallel`): the adapters and the engine build on it.
 
 The recipes under ``examples/`` implement these methods without importing anything from
 the suite but :mod:`lightning_parallel.resumable_loader` (never ``strategies`` or
@@ -68,22 +69,6 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-
-def split_batch(module: nn.Module, batch: Any) -> tuple[Any, Any]:
-    """Split ``batch`` into ``(inputs, targets)`` the way ``module`` asks.
-
-    Uses ``module.pipeline_split_batch`` when the module defines it; otherwise the model's
-    adapter decides (a Hugging Face model's dict batch splits into ``(the dict without
-    "labels", labels)``), and any other batch must be an ``(inputs, targets)`` pair. Callers
-    that already hold the run's adapter ask it directly (``adapter.split_batch(batch)``).
-
-    Args:
-        module: the LightningModule (or any module following the protocol).
-        batch: one batch from the data loader.
-    """
-    from lightning_parallel.parallel.adapter import ModelAdapter  # the engine's vocabulary; no adapter imported
-
-    return ModelAdapter.resolve(module).split_batch(batch)
 
 #: ``init(name, module)`` initialises one module's own (direct) parameters and buffers in place, at full size,
 #: on the CPU; ``name`` is the module's name in the unsplit model (``module`` may be a copy).

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Optio
 from torch import nn
 
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan, protocol_plan
+from lightning_parallel.protocol import reset_parameters
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -301,8 +302,6 @@ class ModelAdapter:
             name: the module's name in the unsplit model.
             module: the module (a copy of it) to initialise.
         """
-        from lightning_parallel.protocol import reset_parameters
-
         reset_parameters(name, module)
 
     # Checkpoints and weights ---------------------------------------------------------------

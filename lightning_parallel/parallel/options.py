@@ -2,9 +2,9 @@
 
 The strategies, their presets, the start-up table and the Hydra configs all read a
 :class:`ParallelOptions`; it is validated once, at construction, so every later reader can
-trust it. Checks that need the module or the world size (layers vs. stages, sizes that
-divide) live in :mod:`lightning_parallel.parallel.compose` and
-:mod:`lightning_parallel.layout`.
+trust it. The checks themselves are :mod:`.option_checks` (one function per group of options);
+checks that need the module or the world size (layers vs. stages, sizes that divide) live in
+:mod:`lightning_parallel.parallel.compose` and :mod:`lightning_parallel.layout`.
 """
 
 from __future__ import annotations
@@ -16,17 +16,20 @@ from datetime import timedelta
 from typing import Any, Optional, Union
 
 from lightning_parallel.layout import Size, check_size
+from lightning_parallel.parallel import option_checks as checks
 from lightning_parallel.parallel.activation_checkpoint import Choice, check_choice
 from lightning_parallel.parallel.compile import Compile, check_compile, compile_backend
-from lightning_parallel.parallel.pipeline.partition import METHODS
+from lightning_parallel.parallel.option_checks import CONTEXT_METHODS, OFFLOAD_MODES, ZERO_STAGES, check_dtype_option
 from lightning_parallel.parallel.pipeline.schedules import validate_schedule
-from lightning_parallel.parallel.precision import check_dtype_option
+
+__all__ = [
+    "CONTEXT_METHODS", "DEFAULT_TIMEOUT", "OFFLOAD_DESCRIPTIONS", "OFFLOAD_MODES", "ParallelOptions",
+    "ZERO_DESCRIPTIONS", "ZERO_STAGES", "as_timeout", "option_names", "options_from", "plain",
+]
 
 # The one default collective timeout of every strategy in the suite: long enough for a slow
 # checkpoint write, short enough that a dead rank fails the job within the hour.
 DEFAULT_TIMEOUT = timedelta(minutes=30)
-
-ZERO_STAGES = (0, 2, 3)
 
 # What the data axis does at each ZeRO stage (start-up table, docs).
 ZERO_DESCRIPTIONS = {
@@ -34,9 +37,6 @@ ZERO_DESCRIPTIONS = {
     2: "FSDP2: gradients + optimizer state sharded",
     3: "FSDP2: parameters, gradients + optimizer state sharded",
 }
-
-OFFLOAD_MODES = ("none", "params")
-CONTEXT_METHODS = ("ring", "ulysses")  # see lightning_parallel.parallel.context
 
 # What ``offload`` does (start-up table, docs).
 OFFLOAD_DESCRIPTIONS = {
@@ -66,16 +66,6 @@ def as_timeout(value: Union[None, int, float, timedelta]) -> timedelta:
     if not isinstance(value, timedelta) or value.total_seconds() <= 0:
         raise ValueError(f"timeout={value!r} must be a positive timedelta or a number of seconds (e.g. 1800).")
     return value
-
-
-def _check_partition(partition: Any) -> Union[str, tuple[int, ...]]:
-    if isinstance(partition, str) and partition not in METHODS:
-        raise ValueError(f"Unknown partition {partition!r}: use one of {METHODS} or cut points such as [3, 5].")
-    if isinstance(partition, str):
-        return partition
-    if isinstance(partition, Sequence) and all(isinstance(p, int) and not isinstance(p, bool) for p in partition):
-        return tuple(partition)
-    raise ValueError(f"partition={partition!r} is neither a method name {METHODS} nor a list of integer cut points.")
 
 
 @dataclass(frozen=True)
@@ -187,21 +177,13 @@ class ParallelOptions:
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
             check_size(name, getattr(self, name))
-        if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
-            raise ValueError(
-                f"zero_stage={self.zero_stage!r} is not supported: use 0 (replicate), 2 (FSDP2 shards gradients and "
-                "optimizer state) or 3 (parameters too). For ZeRO-1 use strategy=deepspeed_zero1."
-            )
-        for flag in ("loss_parallel", "sequence_parallel"):
-            if getattr(self, flag) and self.tensor_parallel_size == 1:
-                raise ValueError(
-                    f"{flag}=True needs tensor_parallel_size > 1 (it shards over the tensor group), but "
-                    f"tensor_parallel_size=1: set tensor_parallel_size >= 2, or {flag}=False."
-                )
+        checks.check_zero_stage(self.zero_stage)
+        checks.check_tensor_flags(self.tensor_parallel_size, loss_parallel=self.loss_parallel,
+                                  sequence_parallel=self.sequence_parallel)
         # Only what holds for any world here: micro-batches against the pipeline size are checked once the world
         # is known (check_module), after the sizes, so a size too large for the world is reported as that.
         validate_schedule(self.schedule, 1, self.stages_per_rank, self.microbatches)
-        object.__setattr__(self, "partition", _check_partition(plain(self.partition)))
+        object.__setattr__(self, "partition", checks.check_partition(plain(self.partition)))
         object.__setattr__(self, "plan", plain(self.plan))
         object.__setattr__(self, "timeout", as_timeout(self.timeout))
         object.__setattr__(self, "activation_checkpointing", check_choice(plain(self.activation_checkpointing)))
@@ -209,85 +191,13 @@ class ParallelOptions:
             compile_backend(self.compile)  # refuses a value that names no backend
             check_compile(self.compile, self.activation_checkpointing, self.tensor_parallel_size)
         check_dtype_option("param_dtype", self.param_dtype, allow_none=True)
-        self._apply_comm_hook()
+        object.__setattr__(self, "reduce_dtype", checks.comm_hook_reduce_dtype(self.comm_hook, self.reduce_dtype))
         check_dtype_option("reduce_dtype", self.reduce_dtype, allow_none=False)
-        for check in (self._check_data_split, self._check_bucket, self._check_prefetch, self._check_offload,
-                      self._check_context):
-            check()
-
-    def _apply_comm_hook(self) -> None:
-        refused = {
-            "fp16": "fp16 gradients overflow without loss scaling, which the suite does not run: use "
-                    "comm_hook='bf16' (same bytes, fp32's exponent range), or for a data-parallel-only layout "
-                    "strategy=ddp strategy.comm_hook=fp16 (DDP's fp16_compress_hook)",
-            "powersgd": "PowerSGD needs DDP's reducer (its hook replaces DDP's bucket all-reduce); the data axis runs "
-                        "on FSDP2, which composes with tensor and pipeline parallelism but has no communication hooks "
-                        "(only reduce_dtype). Use comm_hook='bf16' to halve the bytes, or for a data-parallel-only "
-                        "layout strategy=ddp strategy.comm_hook=powersgd (DDP with torch's PowerSGD hook)",
-        }
-        if self.comm_hook in refused:
-            raise ValueError(f"comm_hook={self.comm_hook!r} cannot run here: {refused[self.comm_hook]}.")
-        if self.comm_hook not in ("none", "bf16"):
-            raise ValueError(f"Unknown comm_hook={self.comm_hook!r}: use 'none' or 'bf16' (gradients reduced in bf16).")
-        if self.comm_hook == "bf16":
-            object.__setattr__(self, "reduce_dtype", "bfloat16")  # FSDP2's form of DDP's bf16_compress_hook
-
-    def _check_bucket(self) -> None:
-        size = self.bucket_size_mb
-        if size is None:
-            return
-        if isinstance(size, bool) or not isinstance(size, (int, float)) or size < 0:
-            raise ValueError(f"bucket_size_mb={size!r} must be a number >= 0 (megabytes; 0: one all-reduce per layer).")
-        if self.zero_stage == 3:
-            raise ValueError(
-                f"bucket_size_mb={size} groups layers into one FSDP2 unit, but zero_stage=3 gathers each unit again "
-                "in backward: a bigger unit holds more gathered parameters. Drop bucket_size_mb, or use zero_stage=2 "
-                "(parameters stay gathered from forward to backward there anyway) or 0."
-            )
-        if self.zero_stage and size and self.fsdp_prefetch:  # (validated in _check_prefetch)
-            raise ValueError(f"fsdp_prefetch counts layers, bucket_size_mb={size} groups them into units: drop one.")
-
-    def _check_prefetch(self) -> None:
-        depth = self.fsdp_prefetch
-        if depth is None:
-            return
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"fsdp_prefetch={depth!r} must be an integer >= 1 (layers prefetched ahead), or null for "
-                             "FSDP2's default.")
-        if not self.zero_stage:
-            raise ValueError(
-                f"fsdp_prefetch={depth} issues the all-gathers of sharded parameters early, but zero_stage=0 keeps "
-                "the whole model on every data rank (nothing is gathered). "
-                "Use zero_stage=2 or 3, or drop fsdp_prefetch."
-            )
-
-    def _check_offload(self) -> None:
-        if self.offload == "optimizer":
-            raise ValueError(
-                "offload='optimizer' has no FSDP2 form: FSDP2's one offload policy, CPUOffloadPolicy, keeps the "
-                "sharded parameters, their gradients and the optimizer state in host memory together (the optimizer "
-                "steps on the CPU, where the parameters are); there is no optimizer-state-only policy. Use "
-                "offload='params' (it offloads the optimizer state too), or for a data-parallel-only layout "
-                "strategy=deepspeed strategy.offload_optimizer=true (DeepSpeed's ZeRO-Offload of the optimizer alone)."
-            )
-        if self.offload not in OFFLOAD_MODES:
-            raise ValueError(f"Unknown offload={self.offload!r}: use one of {OFFLOAD_MODES} ('params': parameters, "
-                             "gradients and optimizer state in host memory).")
-        if self.offload != "none" and not self.zero_stage:
-            raise ValueError(
-                f"offload={self.offload!r} moves FSDP2's sharded parameters to host memory, but zero_stage=0 keeps "
-                "the whole model on every data rank (nothing is sharded). Use zero_stage=3 (or 2), or offload='none'."
-            )
-
-    def _check_context(self) -> None:
-        check_size("context_parallel_size", self.context_parallel_size)  # "auto": what the other sizes leave
-        if self.expert_parallel_size == "auto":
-            raise ValueError("expert_parallel_size='auto' is not supported: give the ranks that share each layer's "
-                             "experts (a divisor of data x context size; 1: off).")
-        check_size("expert_parallel_size", self.expert_parallel_size)
-        if self.context_parallel_method not in CONTEXT_METHODS:
-            raise ValueError(f"Unknown context_parallel_method={self.context_parallel_method!r}: use 'ring' (any head "
-                             "count) or 'ulysses' (all-to-all; heads divisible by tensor x context size).")
+        checks.check_data_split(self.zero_stage, self.data_replicate_size, self.data_shard_size)
+        checks.check_bucket(self.zero_stage, self.bucket_size_mb, self.fsdp_prefetch)
+        checks.check_prefetch(self.fsdp_prefetch, self.zero_stage)
+        checks.check_offload(self.offload, self.zero_stage)
+        checks.check_context(self.context_parallel_size, self.expert_parallel_size, self.context_parallel_method)
 
     @property
     def bucket_bytes(self) -> int:
@@ -295,20 +205,6 @@ class ParallelOptions:
         if self.zero_stage:
             return int((self.bucket_size_mb or 0) * 2**20)
         return int((25 if self.bucket_size_mb is None else self.bucket_size_mb) * 2**20)
-
-    def _check_data_split(self) -> None:
-        names = ("data_replicate_size", "data_shard_size")
-        split = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
-        for name, value in split.items():
-            if value == "auto":
-                raise ValueError(f"{name}='auto' is not supported: give a size, or leave it None (derived).")
-            check_size(name, value)
-        if split and self.zero_stage == 0:
-            given = ", ".join(f"{n}={v}" for n, v in split.items())
-            raise ValueError(
-                f"{given} splits the data axis for HSDP, which shards within a group: zero_stage=0 replicates the "
-                "model on every data rank and all-reduces over the whole axis. Fix: zero_stage=2 or 3, or drop it."
-            )
 
     def resolved_context_size(self, world_size: int, names: Mapping[str, str]) -> int:
         """The context size: explicit, or with ``"auto"`` what the (then explicit) other sizes leave of the world.

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from lightning_parallel.parallel.data import uses_data_axis
+from lightning_parallel.parallel.option_checks import DTYPES
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -41,25 +42,6 @@ if TYPE_CHECKING:
 
 # Lightning precision names the data x pipeline x tensor strategies run.
 SUPPORTED = ("32-true", "32", "bf16-mixed", "bf16-true")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def check_dtype_option(name: str, value: Optional[str], allow_none: bool) -> None:
-    """Refuse a ``param_dtype``/``reduce_dtype`` option that is not a dtype name (ParallelOptions calls it).
-
-    Args:
-        name: the option's name, for the message.
-        value: its value.
-        allow_none: whether None (chosen from the precision) is allowed.
-
-    Raises:
-        ValueError: ``value`` is not ``"float32"``/``"bfloat16"`` (or ``None`` where allowed).
-    """
-    if value is None and allow_none:
-        return
-    if value not in DTYPES:
-        choices = " or ".join(repr(d) for d in DTYPES) + (" (None: chosen from the precision)" if allow_none else "")
-        raise ValueError(f"{name}={value!r} is not a dtype the suite reduces or computes in: use {choices}.")
 
 
 def check_precision(precision: str, options: ParallelOptions, layout: ParallelLayout) -> None:

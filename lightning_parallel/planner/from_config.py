@@ -123,8 +123,8 @@ def shape_of(cfg: Any) -> ModelShape:
     import torch
     from hydra.utils import instantiate
 
+    from lightning_parallel.parallel.adapter import ModelAdapter
     from lightning_parallel.planner.profile import profile_module
-    from lightning_parallel.protocol import split_batch
 
     torch.manual_seed(int(cfg.get("seed", 0)))
     model = instantiate(cfg.model)
@@ -136,7 +136,7 @@ def shape_of(cfg: Any) -> ModelShape:
     data = instantiate(cfg.data)
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
-    inputs, _ = split_batch(model, batch)
+    inputs, _ = ModelAdapter.resolve(model).split_batch(batch)  # the planner's entry: resolved here, once
     if not isinstance(inputs, torch.Tensor):
         raise ValueError(f"{type(model).__name__}'s first pipeline layer takes {type(inputs).__name__}, not one "
                          "tensor: the planner can measure only single-tensor inputs; plan with a cluster whose "

@@ -34,7 +34,6 @@ from lightning_parallel.parallel.gradients import total_grad_norm
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.parallel.pipeline.tied import TIED_COPY_ATTR
-from lightning_parallel.protocol import split_batch
 from lightning_parallel.testing import run_processes
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
@@ -138,7 +137,7 @@ def train(rank, layout, family, schedule, stages_per_rank, zero_stage, microbatc
     per_rank = GLOBAL_BATCH // layout.data_parallel
     start = layout.coordinates(rank).data * per_rank
     for batch in batches():
-        inputs, targets = split_batch(module, {k: v[start : start + per_rank] for k, v in batch.items()})
+        inputs, targets = result.adapter.split_batch({k: v[start : start + per_rank] for k, v in batch.items()})
         num_items = causal_lm_valid_count(targets)
         if dp_group is not None:
             dist.all_reduce(num_items, group=dp_group)

@@ -13,7 +13,6 @@ from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.pipeline.chain_check import run_chain
 from lightning_parallel.parallel.pipeline.stages import split_module
 from lightning_parallel.parallel.pipeline.tied import local_tied_copies
-from lightning_parallel.protocol import split_batch
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
 
@@ -139,10 +138,10 @@ def test_a_hugging_face_batch_splits_into_inputs_and_labels():
         "attention_mask": torch.ones(2, 3),
         "labels": torch.zeros(2, 3),
     }
-    inputs, targets = split_batch(module, batch)
+    inputs, targets = adapt(module).split_batch(batch)
     assert sorted(inputs) == ["attention_mask", "input_ids"] and targets is batch["labels"]
     with pytest.raises(ValueError, match="no 'labels'"):
-        split_batch(module, {"input_ids": batch["input_ids"]})
+        adapt(module).split_batch({"input_ids": batch["input_ids"]})
     stage = adapt(module).pipeline_plan().make_stage([])
     with pytest.raises(ValueError, match=r"Batch keys \['token_type_ids'\]"):
         stage.stage_arguments({**inputs, "token_type_ids": batch["input_ids"]})
