@@ -98,17 +98,20 @@ def _storage_key(t: torch.Tensor) -> int:
 def _build(rank: int, world_size: int, sizes: tuple, zero_stage: int, mode: str, dropout: float) -> tuple:
     """One GPT parallelised for ``mode``: ``(module, step function, optimizer)``."""
     from examples.nlp.model import GPT
+    from lightning_parallel.adapters import adapt
     from lightning_parallel.layout import ParallelLayout
+    from lightning_parallel.layout.meshes import RunMeshes
     from lightning_parallel.parallel.compose import parallelize
     from lightning_parallel.parallel.options import ParallelOptions
 
     layout = ParallelLayout(world_size, *sizes)
-    mesh = layout.build_mesh("cpu")
     options = ParallelOptions(*sizes, zero_stage=zero_stage, microbatches=MICROBATCHES, schedule="1f1b",
                               partition="uniform", activation_checkpointing=mode)
     torch.manual_seed(0)
     module = GPT(**{**MODEL, "dropout": dropout}).build()
-    result = parallelize(module, layout, mesh, options, rank)
+    meshes = RunMeshes.build(layout, "cpu", options.zero_stage)
+    mesh = meshes.run
+    result = parallelize(module, meshes=meshes, options=options, adapter=adapt(module))
     step = raw_train_step(module, result, mesh)
     share = BATCH // layout.data_parallel
     start = layout.coordinates(rank).data * share

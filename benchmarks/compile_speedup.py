@@ -35,16 +35,19 @@ def _build(rank: int, world_size: int, sizes: tuple, compiled: bool) -> tuple:
     """One GPT parallelised eager or compiled: ``(module, step function, optimizer)``."""
     from benchmarks.activation_memory import raw_train_step
     from examples.nlp.model import GPT
+    from lightning_parallel.adapters import adapt
     from lightning_parallel.layout import ParallelLayout
+    from lightning_parallel.layout.meshes import RunMeshes
     from lightning_parallel.parallel.compose import parallelize
     from lightning_parallel.parallel.options import ParallelOptions
 
     layout = ParallelLayout(world_size, *sizes)
-    mesh = layout.build_mesh("cpu")
     options = ParallelOptions(*sizes, microbatches=MICROBATCHES, schedule="1f1b", compile=compiled)
     torch.manual_seed(0)
     module = GPT(**MODEL).build()
-    result = parallelize(module, layout, mesh, options, rank)
+    meshes = RunMeshes.build(layout, "cpu", options.zero_stage)
+    mesh = meshes.run
+    result = parallelize(module, meshes=meshes, options=options, adapter=adapt(module))
     return module, raw_train_step(module, result, mesh), torch.optim.AdamW(module.parameters(), lr=1e-3)
 
 

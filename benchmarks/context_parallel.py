@@ -131,18 +131,18 @@ def counted_sends() -> Iterator[dict[str, int]]:
 def _build(rank: int, world: int, method: str, seq_max: int) -> tuple:
     """The GPT parallelised over ``world`` context ranks with ``method``: ``(module, optimizer, split)``."""
     from examples.nlp.model import GPT
-    from lightning_parallel.layout import ParallelLayout, run_mesh
+    from lightning_parallel.adapters import adapt
+    from lightning_parallel.layout import ParallelLayout
+    from lightning_parallel.layout.meshes import RunMeshes
     from lightning_parallel.parallel.compose import parallelize
-    from lightning_parallel.parallel.data import build_data_mesh
     from lightning_parallel.parallel.options import ParallelOptions
 
     layout = ParallelLayout(world, 1, 1, 1, context_parallel=world)
-    root = layout.build_mesh("cpu")
+    meshes = RunMeshes.build(layout, "cpu")
     options = ParallelOptions(1, 1, 1, context_parallel_size=world, context_parallel_method=method)
     torch.manual_seed(0)
     module = GPT(seq_len=seq_max, **MODEL).build()
-    result = parallelize(module, layout, run_mesh(layout, root), options, rank,
-                         data_mesh=build_data_mesh(layout, root, 0))
+    result = parallelize(module, meshes=meshes, options=options, adapter=adapt(module))
     split = result.context_split.split_batch if result.context_split is not None else (lambda batch: batch)
     return module, torch.optim.AdamW(module.parameters(), lr=1e-3), split
 

@@ -107,31 +107,31 @@ def _flat_all_reduce(module: torch.nn.Module, group: Any) -> None:
 
 def _build(rank: int, spec: dict, width: int, depth: int) -> dict:
     """One layout on this rank: its module, optimizer, reduction group and the axes its groups belong to."""
+    from lightning_parallel.adapters import adapt
     from lightning_parallel.layout import DATA_PARALLEL, DATA_REPLICATE, DATA_SHARD, ParallelLayout
+    from lightning_parallel.layout.meshes import RunMeshes
     from lightning_parallel.parallel.compose import parallelize
-    from lightning_parallel.parallel.data import build_data_mesh
     from lightning_parallel.parallel.options import ParallelOptions
     from lightning_parallel.testing.models import ResidualMLP
 
     world = dist.get_world_size()
     layout = ParallelLayout(world, world, 1, 1, data_replicate=spec.get("data_replicate", 1))
-    mesh = layout.build_mesh("cpu")
+    meshes = RunMeshes.build(layout, "cpu", spec.get("zero_stage") or 0)
     torch.manual_seed(0)
     module = ResidualMLP(width=width, depth=depth)
-    group = mesh[DATA_PARALLEL].get_group() if spec.get("after_backward") else None
+    group = meshes.group(DATA_PARALLEL) if spec.get("after_backward") else None
     wrapper = module
     if spec.get("fsdp2"):  # the FSDP2 form of zero_stage=0 (what parallelize built alone before; beside a pipeline now)
         from lightning_parallel.parallel.data import data_axis_mesh, shard_data_axis
 
-        dp_mesh = data_axis_mesh(layout, 0, mesh, build_data_mesh(layout, mesh, 0))
+        dp_mesh = data_axis_mesh(layout, 0, meshes.run, meshes.data)
         shard_data_axis(module.pipeline_layers(), [module], dp_mesh, 0,
                         bucket_bytes=ParallelOptions(data_parallel_size=world).bucket_bytes)
     elif spec.get("zero_stage") is not None and group is None:
-        data_mesh = build_data_mesh(layout, mesh, spec["zero_stage"])
         options = ParallelOptions(data_parallel_size=world, zero_stage=spec["zero_stage"],
                                   bucket_size_mb=spec.get("bucket_size_mb"))
         # Alone, zero_stage=0 is torch's DDP around the module: the step runs through that wrapper.
-        wrapper = parallelize(module, layout, mesh, options, rank, data_mesh=data_mesh).replicated or module
+        wrapper = parallelize(module, meshes=meshes, options=options, adapter=adapt(module)).replicated or module
     axes = {DATA_PARALLEL: tuple(layout.group_ranks(DATA_PARALLEL, rank))}
     if layout.hsdp_enabled:
         axes.update({a: tuple(layout.group_ranks(a, rank)) for a in (DATA_SHARD, DATA_REPLICATE)})

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 from lightning_parallel.layout.world import (
     CONTEXT_PARALLEL,
@@ -43,12 +43,9 @@ from lightning_parallel.layout.world import (
     factorizations,
 )
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
 __all__ = ["CONTEXT_PARALLEL", "DATA_AXES", "DATA_CONTEXT", "DATA_PARALLEL", "DATA_REPLICATE", "DATA_SHARD",
            "DEFAULT_NAMES", "MESH_AXES", "PIPELINE_PARALLEL", "TENSOR_PARALLEL", "ParallelLayout", "RankCoordinates",
-           "Size", "check_size", "expert_mesh", "factorizations", "rank_map_rows", "run_mesh", "EXPERT_DATA",
+           "Size", "check_size", "factorizations", "rank_map_rows", "EXPERT_DATA",
            "EXPERT_PARALLEL"]
 
 DATA_REPLICATE = "data_replicate"
@@ -293,61 +290,12 @@ class ParallelLayout:
         """Every global rank with its coordinates, for the start-up table."""
         return [(rank, self.coordinates(rank)) for rank in range(self.world_size)]
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the 3-D root DeviceMesh (needs an initialised default process group): axes data, pipeline,
-        tensor; under context parallelism the first axis is ``data_context`` (data x context ranks, data-major),
-        which :func:`run_mesh` splits into data and context.
-
-        Args:
-            device_type: ``"cpu"`` or ``"cuda"``.
-        """
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if not self.context_parallel_enabled:
-            return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
-        shape = (self.data_context, self.pipeline_parallel, self.tensor_parallel)
-        return init_device_mesh(device_type, shape, mesh_dim_names=(DATA_CONTEXT, PIPELINE_PARALLEL, TENSOR_PARALLEL))
-
     def describe(self) -> str:
         """Short form such as ``dp2 x pp2 x tp1``, or ``dp4(2x2) x pp1 x tp1`` under HSDP."""
         data = f"dp{self.data_parallel}" + (f"({self.data_replicate}x{self.data_shard})" if self.hsdp_enabled else "")
         context = f" x cp{self.context_parallel}" if self.context_parallel_enabled else ""
         experts = f" (ep{self.expert_parallel})" if self.expert_parallel > 1 else ""
         return f"{data}{context} x pp{self.pipeline_parallel} x tp{self.tensor_parallel}{experts}"
-
-
-def run_mesh(layout: ParallelLayout, root: DeviceMesh) -> DeviceMesh:
-    """The mesh the run and the user see (``self.device_mesh``): ``root`` itself, or under context parallelism
-    its 4-D view ``(data_parallel, context_parallel, pipeline_parallel, tensor_parallel)`` (same ranks and root,
-    so tensor-parallel DTensors and FSDP2's data-context mesh compose).
-
-    Args:
-        layout: the resolved layout.
-        root: the mesh :meth:`ParallelLayout.build_mesh` made.
-    """
-    if not layout.context_parallel_enabled:
-        return root
-    from lightning_parallel import _compat
-
-    return _compat.unflatten_mesh_dim(root, DATA_CONTEXT, (layout.data_parallel, layout.context_parallel),
-                                      (DATA_PARALLEL, CONTEXT_PARALLEL))
-
-
-def expert_mesh(layout: ParallelLayout, root: DeviceMesh) -> Optional[DeviceMesh]:
-    """``root``'s data (x context) axis unflattened into ``(expert_data, expert_parallel)``, or None without
-    expert parallelism (a collective: every rank calls it once, after the root mesh is built).
-
-    Args:
-        layout: the resolved layout.
-        root: the mesh :meth:`ParallelLayout.build_mesh` made.
-    """
-    if layout.expert_parallel == 1:
-        return None
-    from lightning_parallel import _compat
-
-    axis = DATA_CONTEXT if layout.context_parallel_enabled else DATA_PARALLEL
-    shape = (layout.data_context // layout.expert_parallel, layout.expert_parallel)
-    return _compat.unflatten_mesh_dim(root, axis, shape, (EXPERT_DATA, EXPERT_PARALLEL))
 
 
 def _after_context(world: World, context_parallel: Size) -> World:

@@ -34,8 +34,9 @@ Nothing here imports Lightning or an adapter: the strategy resolves the model's
 :class:`~lightning_parallel.parallel.adapter.ModelAdapter` once (``adapters.adapt(module)``) and
 hands it to :func:`check_module` before any process group exists and to :func:`parallelize` once
 the mesh is built; every question about the model (its plans, layers, roots) goes to that
-adapter. Both are testable without a Trainer (a world of 1, or the distributed harness); without
-``adapter=`` each resolves one itself (``ModelAdapter.resolve(module)``).
+adapter. Both are testable without a Trainer (a world of 1, or the distributed harness); the adapter is
+required here (resolved at the public entry points: ``lightning_parallel.adapters.adapt``), and every mesh
+and group comes from one :class:`~lightning_parallel.layout.meshes.RunMeshes`, asked by axis name.
 """
 
 from __future__ import annotations
@@ -47,16 +48,25 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel.layout import TENSOR_PARALLEL, ParallelLayout
+from lightning_parallel.layout import EXPERT_DATA, EXPERT_PARALLEL, TENSOR_PARALLEL, ParallelLayout
+from lightning_parallel.layout.meshes import RunMeshes
 from lightning_parallel.parallel import activation_checkpoint
 from lightning_parallel.parallel.adapter import ModelAdapter
+from lightning_parallel.parallel.checks import (  # noqa: F401 -- check_module etc. are public here too
+    check_activation_checkpointing,
+    check_module,
+    check_tensor,
+    check_whole,
+    is_parallelized,
+    refuse_parallelized,
+)
 from lightning_parallel.parallel.compile import compile_layers
 from lightning_parallel.parallel.data import data_axis_mesh, shard_data_axis, uses_data_axis
 from lightning_parallel.parallel.materialize import InitPlan, Materialization, materialize, plan_initialisation
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.pipeline import tied as pipeline_tied
 from lightning_parallel.parallel.pipeline.chain_check import on_meta
-from lightning_parallel.parallel.pipeline.cut import check_pipeline, last_stage_rank, split_pipeline, tie_copies
+from lightning_parallel.parallel.pipeline.cut import last_stage_rank, split_pipeline, tie_copies
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan
 from lightning_parallel.parallel.pipeline.stages import (
     PipelineSplit,
@@ -65,11 +75,7 @@ from lightning_parallel.parallel.pipeline.stages import (
 from lightning_parallel.parallel.precision import fsdp_policy
 from lightning_parallel.parallel.replicated import replicate_module, replicates_plain
 from lightning_parallel.parallel.tensor.gradients import resettle_gradients
-from lightning_parallel.parallel.tensor.plan import (
-    apply_tensor_parallel,
-    resolve_plan,
-    validate_tensor_parallel,
-)
+from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel
 from lightning_parallel.parallel.token_axes import ExpertAxis, apply_context, apply_experts, batch_splits
 
 if TYPE_CHECKING:
@@ -126,60 +132,12 @@ class Parallelized:
         return self.split.num_stages if self.split is not None else 1
 
 
-def check_module(
-    module: nn.Module, layout: ParallelLayout, options: ParallelOptions, *, adapter: Optional[ModelAdapter] = None
-) -> dict[str, ParallelStyle]:
-    """Everything about ``module`` that can be checked before a process group exists.
-
-    Args:
-        module: the whole model (any device, ``meta`` included; the layer-chain check runs
-            only on materialised weights).
-        layout: the resolved layout.
-        options: the run's options.
-        adapter: the model's adapter (default: resolved here, ``ModelAdapter.resolve(module)``).
-
-    Returns:
-        The resolved tensor-parallel plan (empty without tensor parallelism).
-
-    Raises:
-        ValueError: a module that cannot be pipelined (a Hugging Face model without a
-            pipeline plan, an encoder-decoder, a layer chain that does not compose to
-            ``forward``), too few layers for the stages, a schedule the layout cannot run,
-            or a plan the tensor size does not divide.
-    """
-    adapter = adapter or ModelAdapter.resolve(module)
-    if layout.pipeline_parallel_enabled:
-        check_pipeline(module, layout, options, adapter=adapter)
-    check_activation_checkpointing(module, options.activation_checkpointing, adapter=adapter)
-    if layout.context_parallel_enabled:
-        adapter.check_context_parallel(options.context_parallel_method, layout.context_parallel, layout.tensor_parallel)
-    adapter.check_batch_split(batch_splits(layout, options.schedule))
-    if layout.expert_parallel > 1:
-        adapter.check_expert_parallel(layout.expert_parallel)
-    return check_tensor(module, layout, options, adapter=adapter)
-
-
-def check_activation_checkpointing(
-    module: nn.Module, choice: activation_checkpoint.Choice, *, adapter: Optional[ModelAdapter] = None
-) -> None:
-    """Refuse an ``activation_checkpointing`` choice (validated by ``check_choice``) that would checkpoint nothing:
-    a glob naming no submodule, or ``full``/``selective`` on a module without layers (``adapter.layers()``)."""
-    if isinstance(choice, tuple):
-        activation_checkpoint.matching_modules(module, choice)
-    elif choice != "none" and not (adapter or ModelAdapter.resolve(module)).layers():
-        raise ValueError(
-            f"activation_checkpointing={choice!r} checkpoints the model's layers, but {type(module).__name__} has "
-            "neither pipeline_layers() nor a Hugging Face decoder's layers: define pipeline_layers(), or name the "
-            "submodules to checkpoint with a list of globs (activation_checkpointing=['blocks.*'])."
-        )
-
-
 def checkpoint_activations(
     module: nn.Module,
     choice: activation_checkpoint.Choice,
     split: Optional[PipelineSplit] = None,
     *,
-    adapter: Optional[ModelAdapter] = None,
+    adapter: ModelAdapter,
 ) -> list[nn.Module]:
     """Step 3 of :func:`parallelize` (and of the DeepSpeed strategy): checkpoint this rank's layers, or the
     submodules the globs name; returns the checkpointed modules.
@@ -190,7 +148,6 @@ def checkpoint_activations(
         split: the pipeline split (None without pipelining).
         adapter: the model's adapter (its layers; made safe to recompute).
     """
-    adapter = adapter or ModelAdapter.resolve(module)
     layers = _checkpoint_layers(module, split, adapter) if choice != "none" else []
     chosen = activation_checkpoint.targets(module, choice, layers)
     if chosen:
@@ -214,45 +171,12 @@ def _checkpoint_layers(module: nn.Module, split: Optional[PipelineSplit], adapte
     return [module.get_submodule(name) for name in split.names]
 
 
-def check_tensor(
-    module: nn.Module, layout: ParallelLayout, options: ParallelOptions, *, adapter: Optional[ModelAdapter] = None
-) -> dict[str, ParallelStyle]:
-    """The tensor half of :func:`check_module`; returns the resolved plan (empty without tensor parallelism)."""
-    if not layout.tensor_parallel_enabled:
-        return {}
-    adapter = adapter or ModelAdapter.resolve(module)
-    plan = resolve_plan(
-        module, options.plan, sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel,
-        adapter=adapter,
-    )
-    validate_tensor_parallel(module, plan, layout.tensor_parallel, adapter=adapter)
-    return plan
-
-
-def is_parallelized(module: nn.Module) -> bool:
-    """Whether ``module`` was already split or sharded (placeholders, DTensor parameters or FSDP2 units)."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(m, (RemovedLayer, FSDPModule)) for m in module.modules()) or any(
-        isinstance(p, DTensor) for p in module.parameters()
-    )
-
-
 def _data_axis_layers(module: nn.Module, split: Optional[PipelineSplit], adapter: ModelAdapter) -> list[nn.Module]:
     """Layers that become their own FSDP2 unit: not those holding a tied parameter (their stage root takes it)."""
     if split is None:
         return adapter.layers()
     tied = {index for holders in split.shared for index, _ in holders}
     return [module.get_submodule(name) for index, name in enumerate(split.names) if index not in tied]
-
-
-def _refuse_parallelized(module: nn.Module) -> None:
-    if is_parallelized(module):
-        raise ValueError(
-            f"{type(module).__name__} was already split or sharded by an earlier run and cannot be parallelised again: "
-            "build a fresh module and load the checkpoint into it (ckpt_path=...)."
-        )
 
 
 def _apply_local_plan(module: nn.Module, layout: ParallelLayout, mesh: DeviceMesh, plan: dict,
@@ -284,56 +208,70 @@ def _wrap_data_axis(module: nn.Module, layout: ParallelLayout, options: Parallel
                     options.bucket_bytes, options.fsdp_prefetch, options.offload, experts)
 
 
-def parallelize(
-    module: nn.Module,
-    layout: ParallelLayout,
-    mesh: DeviceMesh,
-    options: ParallelOptions,
-    rank: int,
-    layer_times: Optional[Sequence[float]] = None,
-    on_split: Optional[Callable[[PipelineSplit], Any]] = None,
-    precision: str = "32-true",
-    data_mesh: Optional[DeviceMesh] = None,
-    adapter: Optional[ModelAdapter] = None,
-    materialization: Optional[Materialization] = None,
-    experts: Optional[ExpertAxis] = None,
-) -> Parallelized:
-    """Split, shard and wrap ``module`` in place for this rank of ``layout`` (the order: the module docstring);
-    returns a :class:`Parallelized` describing the result.
+@dataclass(frozen=True)
+class BuildSettings:
+    """How :func:`parallelize` builds this rank's share, beyond the meshes and the options.
+
+    Attributes:
+        precision: the Trainer's precision name (FSDP2's mixed-precision policy, or DDP's dtype).
+        materialization: device and seed for a model built on ``meta`` (required for one).
+        layer_times: per-layer seconds for ``partition="time"`` (the same on every rank).
+        on_split: called with the pipeline split once it is known (the strategy prints it).
+    """
+
+    precision: str = "32-true"
+    materialization: Optional[Materialization] = None
+    layer_times: Optional[Sequence[float]] = None
+    on_split: Optional[Callable[[PipelineSplit], Any]] = None
+
+
+def parallelize(module: nn.Module, *, meshes: RunMeshes, options: ParallelOptions, adapter: ModelAdapter,
+                build: BuildSettings = BuildSettings()) -> Parallelized:
+    """Split, shard and wrap ``module`` in place for this rank of ``meshes.layout`` (the order: the module
+    docstring); returns a :class:`Parallelized` describing the result.
 
     Args:
         module: the whole model in its training precision, on its device or on ``meta`` (then only this
-            rank's share is ever allocated: ``materialization`` says where and from which seed).
-        layout: the resolved layout.
-        mesh: the run's mesh (``layout.run_mesh``: data[, context], pipeline, tensor).
-        options, rank: the run's options; this process's global rank.
-        layer_times, on_split: per-layer seconds for ``partition="time"`` (the same on every rank); called
-            with the pipeline split once it is known (the strategy prints it).
-        precision, data_mesh: the Trainer's precision name (FSDP2's policy, or DDP); the data mesh or None.
-        adapter: the model's adapter, resolved once by the strategy (default: ``ModelAdapter.resolve(module)``).
-        materialization: device and seed for a model built on ``meta`` (required for one).
-        experts: the expert mesh and groups (required with ``layout.expert_parallel > 1``).
+            rank's share is ever allocated: ``build.materialization`` says where and from which seed).
+        meshes: the run's meshes (:class:`~lightning_parallel.layout.meshes.RunMeshes`: its layout, every axis).
+        options: the run's options.
+        adapter: the model's adapter, resolved once at the entry point (``lightning_parallel.adapters.adapt``).
+        build: precision, materialisation, layer times and the split callback.
 
     Raises:
-        ValueError: parallelised before, on ``meta`` without ``materialization``, or any :func:`check_module`.
+        ValueError: parallelised before, on ``meta`` without ``build.materialization``, or any :func:`check_module`.
     """
-    _refuse_parallelized(module)
-    adapter = adapter or ModelAdapter.resolve(module)
-    init_plan = _plan_materialization(module, adapter, materialization)
-    pipe, plan = _check_whole(module, layout, options, adapter)
-    split, stages, stage_ids, last, tied = _cut(module, layout, options, rank, layer_times, pipe, on_split)
+    refuse_parallelized(module)
+    layout, mesh = meshes.layout, meshes.run
+    init_plan = _plan_materialization(module, adapter, build.materialization)
+    pipe, plan = check_whole(module, layout, options, adapter)
+    split, stages, stage_ids, last, tied = _cut(module, layout, options, meshes.rank, build.layer_times, pipe,
+                                                build.on_split)
     _apply_local_plan(module, layout, mesh, plan, adapter)
     context_split = apply_context(module, layout, mesh, options, adapter)
-    apply_experts(module, layout, experts, adapter)
+    apply_experts(module, layout, _expert_axis(meshes), adapter)
     _checkpoint_and_compile(module, options, split, adapter)
-    _wrap_data_axis(module, layout, options, (mesh, data_mesh), split, stages, precision, adapter)
+    _wrap_data_axis(module, layout, options, (mesh, meshes.data), split, stages, build.precision, adapter)
     if init_plan is not None:  # (7) only now is anything allocated: this rank's share
-        _materialize_share(module, materialization, init_plan, adapter, plan, options.offload)
+        _materialize_share(module, build.materialization, init_plan, adapter, plan, options.offload)
     pipeline_tied.mark_copies(module, tied)  # after FSDP2/TP/to_empty replaced the parameter objects
     loss_fn, count = (pipe.loss_fn, pipe.count_items) if pipe is not None else (None, None)
-    return Parallelized(layout, options, plan, split, tuple(stages), tuple(stage_ids), last, loss_fn, count,
-                        tuple(tied), adapter, pipe is not None and pipe.loss_terms, context_split,
-                        _plain_data_axis(module, layout, options, (mesh, data_mesh), precision))
+    return Parallelized(
+        layout=layout, options=options, plan=plan, split=split, stages=tuple(stages), stage_ids=tuple(stage_ids),
+        last_stage_rank=last, loss_fn=loss_fn, count_items=count, tied=tuple(tied), adapter=adapter,
+        loss_terms=pipe is not None and pipe.loss_terms, context_split=context_split,
+        replicated=_plain_data_axis(module, layout, options, (mesh, meshes.data), build.precision))
+
+
+def _expert_axis(meshes: RunMeshes) -> Optional[ExpertAxis]:
+    """The experts' mesh and groups (None without expert parallelism); capacity is shared over data x context, as
+    one process shares it over the whole batch."""
+    if meshes.layout.expert_parallel == 1:
+        return None
+    from lightning_parallel import _compat
+
+    return ExpertAxis(meshes.mesh(EXPERT_PARALLEL), meshes.loss_group()[0], meshes.group(EXPERT_DATA),
+                      _compat.grouped_mm)
 
 
 def _plain_data_axis(module: nn.Module, layout: ParallelLayout, options: ParallelOptions, meshes: tuple,
@@ -343,19 +281,6 @@ def _plain_data_axis(module: nn.Module, layout: ParallelLayout, options: Paralle
         return None
     return replicate_module(module, data_axis_mesh(layout, options.zero_stage, *meshes), options.bucket_bytes,
                             options.find_unused_parameters)
-
-
-def _check_whole(module: nn.Module, layout: ParallelLayout, options: ParallelOptions,
-                 adapter: ModelAdapter) -> tuple[Optional[PipelinePlan], dict]:
-    """The checks on the whole model, before the split: ``(pipeline plan or None, tensor plan)``."""
-    pipe = check_pipeline(module, layout, options, adapter=adapter) if layout.pipeline_parallel_enabled else None
-    plan = check_tensor(module, layout, options, adapter=adapter)
-    if layout.context_parallel_enabled:  # on the whole model: a pipeline rank's share may hold no attention
-        adapter.check_context_parallel(options.context_parallel_method, layout.context_parallel, layout.tensor_parallel)
-    adapter.check_batch_split(batch_splits(layout, options.schedule))
-    if layout.expert_parallel > 1:
-        adapter.check_expert_parallel(layout.expert_parallel)
-    return pipe, plan
 
 
 def _cut(module: nn.Module, layout: ParallelLayout, options: ParallelOptions, rank: int,

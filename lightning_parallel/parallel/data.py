@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from torch import nn
 
 from lightning_parallel.layout import DATA_AXES, DATA_CONTEXT, DATA_PARALLEL, ParallelLayout
+from lightning_parallel.layout.meshes import data_mesh_shape
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -55,45 +56,9 @@ def has_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def data_mesh_shape(layout: ParallelLayout, zero_stage: int) -> Optional[tuple[int, int]]:
-    """``(replicas, shards)`` of the 2-D data mesh FSDP2 needs, or None when the 1-D data axis serves.
-
-    Under context parallelism the axis is data x context (context ranks hold the same parameters and
-    each computes a share of every sequence's gradient): shards of a replica group span its context ranks.
-
-    Args:
-        layout: the resolved layout.
-        zero_stage: 0 (replicated: ``(data x context, 1)`` when there is more than one such rank), 2 or 3
-            (``(data_replicate, data_shard x context)`` under HSDP, else the flat axis).
-    """
-    if zero_stage == 0:
-        return (layout.data_context, 1) if layout.data_context > 1 else None
-    return (layout.data_replicate, layout.data_context // layout.data_replicate) if layout.hsdp_enabled else None
-
-
 def uses_data_axis(layout: ParallelLayout, zero_stage: int) -> bool:
     """Whether FSDP2 wraps the model: always under ZeRO 2/3, with a data (or context) axis under ``zero_stage=0``."""
     return bool(zero_stage) or layout.data_context > 1
-
-
-def build_data_mesh(layout: ParallelLayout, mesh: DeviceMesh, zero_stage: int) -> Optional[DeviceMesh]:
-    """``mesh`` with its data axis unflattened into ``(data_replicate, data_shard)`` of :func:`data_mesh_shape`,
-    or None when the 1-D data axis serves (a collective: every rank calls it once, after the mesh is built).
-    Under context parallelism the axis unflattened is the root's ``data_context``, and where its flat form
-    serves, the root itself is returned (the run's 4-D mesh has no flat data x context axis).
-
-    Args:
-        layout: the resolved layout.
-        mesh: the 3-D root mesh ``layout.build_mesh`` made.
-        zero_stage: the run's ZeRO stage.
-    """
-    from lightning_parallel import _compat
-
-    shape = data_mesh_shape(layout, zero_stage)
-    axis = DATA_CONTEXT if layout.context_parallel_enabled else DATA_PARALLEL
-    if shape is None:
-        return mesh if layout.context_parallel_enabled else None
-    return _compat.unflatten_mesh_dim(mesh, axis, shape, DATA_AXES)
 
 
 def data_axis_mesh(
@@ -114,8 +79,8 @@ def data_axis_mesh(
     shape = data_mesh_shape(layout, zero_stage)
     if shape is None and layout.context_parallel_enabled:
         if data_mesh is None or DATA_CONTEXT not in (data_mesh.mesh_dim_names or ()):
-            raise ValueError(f"{layout.describe()} reduces gradients over data x context: pass data_mesh="
-                             f"build_data_mesh(layout, root_mesh, {zero_stage}) (lightning_parallel.parallel.data).")
+            raise ValueError(f"{layout.describe()} reduces gradients over data x context: pass the data_mesh of "
+                             f"RunMeshes.build(layout, device_type, {zero_stage}) (lightning_parallel.layout.meshes).")
         return data_mesh[DATA_CONTEXT]
     if shape is None:
         return mesh[DATA_PARALLEL]
@@ -123,8 +88,8 @@ def data_axis_mesh(
     if found != shape:
         raise ValueError(
             f"zero_stage={zero_stage} on {layout.describe()} reduces gradients over a {shape[0]} x {shape[1]} "
-            f"(data_replicate, data_shard) mesh, but data_mesh is {found}: pass data_mesh="
-            f"build_data_mesh(layout, mesh, {zero_stage}) (lightning_parallel.parallel.data)."
+            f"(data_replicate, data_shard) mesh, but data_mesh is {found}: pass the data_mesh of "
+            f"RunMeshes.build(layout, device_type, {zero_stage}) (lightning_parallel.layout.meshes)."
         )
     return data_mesh[DATA_AXES]
 

@@ -118,7 +118,7 @@ class PipelinedExecutor(DirectExecutor):
             options.microbatches,
             loss_fn=parallelized.loss_fn or module.pipeline_loss,
             device=strategy.root_device,
-            group=strategy.device_mesh[PIPELINE_PARALLEL].get_group(),
+            group=strategy.meshes.group(PIPELINE_PARALLEL),
             last_stage_rank=parallelized.last_stage_rank,
             data_parallel_size=self.data_parallel,
             count_items=self.count_items,

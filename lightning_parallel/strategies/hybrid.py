@@ -30,8 +30,9 @@ from lightning_parallel.adapters import ModelAdapter
 from lightning_parallel.checkpoints import optimizer_state_dict
 from lightning_parallel.fault_tolerance.options import FaultTolerance
 from lightning_parallel.fault_tolerance.replicas import ReplicaGroups
-from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout
-from lightning_parallel.parallel.compose import Parallelized, check_module, parallelize
+from lightning_parallel.layout import EXPERT_DATA, PIPELINE_PARALLEL, ParallelLayout
+from lightning_parallel.layout.meshes import RunMeshes
+from lightning_parallel.parallel.compose import BuildSettings, Parallelized, check_module, parallelize
 from lightning_parallel.parallel.data import deferred_gradient_sync
 from lightning_parallel.parallel.experts.sharded import reduce_expert_gradients
 from lightning_parallel.parallel.local_step import step_on_local_shards
@@ -50,19 +51,13 @@ from lightning_parallel.strategies.hybrid_checkpoints import (
     save_strategy_checkpoint,
 )
 from lightning_parallel.strategies.layer_timing import agreed_layer_times
-from lightning_parallel.strategies.meshes import RunMeshes
 from lightning_parallel.strategies.reduction import ReduceWithoutBarrier
 from lightning_parallel.strategies.resolved_adapter import resolved_adapter
+from lightning_parallel.strategies.resolve import options_layout
 from lightning_parallel.strategies.resume_order import resumed_shuffle_notice
 from lightning_parallel.strategies.timeouts import CollectiveTimeout, names_timeouts
 
 __all__ = ["CollectiveTimeout", "HybridParallelStrategy"]
-
-# How the strategy's arguments are spelled in layout errors.
-_SIZE_NAMES = {"data_parallel": "data_parallel_size", "pipeline_parallel": "pipeline_parallel_size",
-               "tensor_parallel": "tensor_parallel_size", "context_parallel": "context_parallel_size",
-               "expert_parallel": "expert_parallel_size"}
-
 
 class HybridParallelStrategy(ReduceWithoutBarrier, ModelParallelStrategy):
     """Data x pipeline x tensor parallelism for modules that follow the suite's protocol.
@@ -121,7 +116,7 @@ class HybridParallelStrategy(ReduceWithoutBarrier, ModelParallelStrategy):
         self.layout: Optional[ParallelLayout] = None
         self.parallelized: Optional[Parallelized] = None
         self._mesh: Any = None
-        self._meshes: Optional[RunMeshes] = None  # every mesh and group of the run (strategies/meshes.py)
+        self._meshes: Optional[RunMeshes] = None  # every mesh and group of the run, asked by axis name
         self._parallelized_module: Optional[weakref.ref] = None
         self._executor: executors.DirectExecutor = executors.DirectExecutor()
 
@@ -136,13 +131,7 @@ class HybridParallelStrategy(ReduceWithoutBarrier, ModelParallelStrategy):
             names: how errors spell the settings (default: this strategy's argument names).
             num_nodes: nodes in the run, for the messages (default: the strategy's).
         """
-        o = self.options
-        context = o.resolved_context_size(world_size, names or _SIZE_NAMES)
-        return ParallelLayout.resolve(world_size, o.data_parallel_size, o.pipeline_parallel_size,
-                                      o.tensor_parallel_size, names=names or _SIZE_NAMES,
-                                      num_nodes=num_nodes or self.num_nodes,
-                                      data_replicate=o.data_replicate_size, data_shard=o.data_shard_size,
-                                      context_parallel=context, expert_parallel=o.expert_parallel_size)
+        return options_layout(self.options, world_size, names, num_nodes or self.num_nodes)
 
     def startup_rows(self, layout: ParallelLayout) -> dict[str, str]:
         """Strategy rows of the start-up table (see :mod:`lightning_parallel.cli.report`)."""
@@ -157,9 +146,16 @@ class HybridParallelStrategy(ReduceWithoutBarrier, ModelParallelStrategy):
             raise RuntimeError("The device mesh exists only after setup_environment (once processes are initialised).")
         return self._mesh
 
+    @property
+    def meshes(self) -> RunMeshes:
+        """Every mesh and process group of the run, asked by axis name (after ``setup_environment``)."""
+        if self._meshes is None:
+            raise RuntimeError("The meshes exist only after setup_environment (once processes are initialised).")
+        return self._meshes
+
     def loss_group(self) -> tuple[Optional[Any], int]:
         """``(group, size)`` of the ranks a loss is averaged over (data x context; see ``RunMeshes.loss_group``)."""
-        return self._meshes.loss_group()
+        return self.meshes.loss_group()
 
     @property
     def pipeline_split(self) -> Optional[PipelineSplit]:
@@ -220,7 +216,7 @@ class HybridParallelStrategy(ReduceWithoutBarrier, ModelParallelStrategy):
         if self.parallelized.replicated is not None and trainer.state.fn == TrainerFn.FITTING:
             self.model = self.parallelized.replicated  # plain DDP: Lightning runs the steps through its forward
         if not isinstance(self.precision_plugin, GlobalNormClipping):
-            group = self.device_mesh[PIPELINE_PARALLEL].get_group() if self.layout.pipeline_parallel_enabled else None
+            group = self._meshes.group(PIPELINE_PARALLEL) if self.layout.pipeline_parallel_enabled else None
             self.precision_plugin = GlobalNormClipping(self.precision_plugin, group)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -249,11 +245,10 @@ class HybridParallelStrategy(ReduceWithoutBarrier, ModelParallelStrategy):
         if not on_meta(module) and (layout.world_size > layout.data_parallel or self.options.zero_stage == 3):
             rank_zero_info(f"lightning_parallel: {type(module).__name__} was built with storage, so every rank held "
                            "the whole model before the split; build it in configure_model() to hold only its share.")
-        self.parallelized = parallelize(
-            module, layout, self.device_mesh, self.options, self.global_rank, times, on_split=self._print_split,
-            precision=str(self.precision_plugin.precision), data_mesh=self._meshes.data, adapter=adapter,
-            materialization=Materialization(self.root_device, seed), experts=self._meshes.experts,
-        )
+        build = BuildSettings(str(self.precision_plugin.precision), Materialization(self.root_device, seed), times,
+                              self._print_split)
+        self.parallelized = parallelize(module, meshes=self._meshes, options=self.options, adapter=adapter,
+                                        build=build)
         self._parallelized_module = weakref.ref(module)
 
     def _print_split(self, split: PipelineSplit) -> None:
@@ -326,15 +321,16 @@ class HybridParallelStrategy(ReduceWithoutBarrier, ModelParallelStrategy):
         # over the expert axis are left out of it: their gradients (the accumulation window's sum) are reduced
         # over the expert-data group after the closure's backward, before clipping sees them; replica groups
         # (fault tolerance) average after that, so clipping and the optimizer see the same gradient on every group.
-        experts, replicas = self._meshes.experts, self.replica_groups
+        experts = self._meshes.group(EXPERT_DATA) if self.layout.expert_parallel > 1 else None
+        replicas = self.replica_groups
         if experts is None and replicas is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_reduce() -> Any:
             result, module = closure(), self.lightning_module
             if experts is not None:
-                reduce_expert_gradients(module, experts.expert_data_group, self.layout.data_context)
-                report_first_step_load(module, experts.expert_data_group, module.trainer.global_step)
+                reduce_expert_gradients(module, experts, self.layout.data_context)
+                report_first_step_load(module, experts, module.trainer.global_step)
             if replicas is not None:
                 replicas.reduce_and_commit(module, _unwrap(optimizer))
             return result

@@ -3,7 +3,8 @@
 import pytest
 
 from lightning_parallel.layout import DATA_PARALLEL, DATA_REPLICATE, DATA_SHARD, ParallelLayout
-from lightning_parallel.parallel.data import data_mesh_shape, uses_data_axis
+from lightning_parallel.layout.meshes import data_mesh_shape
+from lightning_parallel.parallel.data import uses_data_axis
 from lightning_parallel.parallel.options import ParallelOptions
 
 
@@ -53,12 +54,13 @@ def test_unflattened_mesh_places_ranks_as_the_layout_says(tmp_path):
 
     from lightning_parallel import _compat
     from lightning_parallel.layout import DATA_AXES
+    from lightning_parallel.layout.meshes import RunMeshes
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         layout = ParallelLayout(1, 1, 1, 1)
-        mesh = layout.build_mesh("cpu")
+        mesh = RunMeshes.build(layout, "cpu").root
         data = _compat.unflatten_mesh_dim(mesh, DATA_PARALLEL, (1, 1), DATA_AXES)
         assert data.mesh_dim_names[:2] == DATA_AXES and data._get_root_mesh() is mesh._get_root_mesh()
     finally:

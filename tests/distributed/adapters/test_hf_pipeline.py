@@ -28,8 +28,9 @@ import torch.distributed as dist
 
 from lightning_parallel.adapters.hf import causal_lm_loss_terms, causal_lm_valid_count
 from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL, ParallelLayout
+from lightning_parallel.adapters import adapt
+from lightning_parallel.layout.meshes import RunMeshes
 from lightning_parallel.parallel.compose import parallelize
-from lightning_parallel.parallel.data import build_data_mesh as data_mesh
 from lightning_parallel.parallel.gradients import total_grad_norm
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.pipeline.runner import PipelineRunner
@@ -122,10 +123,11 @@ def per_microbatch_mean(logits, labels):
 def train(rank, layout, family, schedule, stages_per_rank, zero_stage, microbatches, mean_of_means=False) -> dict:
     options = ParallelOptions(layout.data_parallel, layout.pipeline_parallel, 1, zero_stage=zero_stage,
                               microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank)
-    mesh = layout.build_mesh("cpu")
+    meshes = RunMeshes.build(layout, "cpu", zero_stage)
+    mesh = meshes.run
     module = UserModule(family)
     assert not any(hasattr(module, name) for name in PROTOCOL_METHODS)
-    result = parallelize(module, layout, mesh, options, rank, data_mesh=data_mesh(layout, mesh, zero_stage))
+    result = parallelize(module, meshes=meshes, options=options, adapter=adapt(module))
     pp_group = mesh[PIPELINE_PARALLEL].get_group()
     dp_group = mesh[DATA_PARALLEL].get_group() if layout.data_parallel_enabled else None
     runner = PipelineRunner(result.stages, result.stage_ids, result.num_stages, schedule, microbatches,
@@ -231,9 +233,10 @@ def stream_reference() -> list[float]:
 
 def train_streams(rank: int, layout: ParallelLayout) -> list[float]:
     options = ParallelOptions(1, 2, 1, microbatches=2, schedule="1f1b", partition="uniform")
-    mesh = layout.build_mesh("cpu")
+    meshes = RunMeshes.build(layout, "cpu")
+    mesh = meshes.run
     module = TwoStreams()
-    result = parallelize(module, layout, mesh, options, rank)
+    result = parallelize(module, meshes=meshes, options=options, adapter=adapt(module))
     runner = PipelineRunner(result.stages, result.stage_ids, result.num_stages, "1f1b", 2, loss_fn=result.loss_fn,
                             device=torch.device("cpu"), group=mesh[PIPELINE_PARALLEL].get_group(),
                             last_stage_rank=result.last_stage_rank)

@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL, ParallelLayout
 from lightning_parallel.parallel import activation_checkpoint
+from lightning_parallel.adapters import adapt
+from lightning_parallel.layout.meshes import RunMeshes
 from lightning_parallel.parallel.compose import parallelize
-from lightning_parallel.parallel.data import build_data_mesh as data_mesh
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.testing import max_abs_difference, run_processes
@@ -53,12 +54,13 @@ def _train(rank: int, world_size: int, cell: dict, mode, dropout: float) -> tupl
     """
     sizes = cell["sizes"]
     layout = ParallelLayout(world_size, *sizes)
-    mesh = layout.build_mesh("cpu")
     options = ParallelOptions(*sizes, zero_stage=cell.get("zero_stage", 0), microbatches=2,
                               schedule=cell.get("schedule", "1f1b"), stages_per_rank=cell.get("stages_per_rank", 1),
                               partition="uniform", activation_checkpointing=mode)
     module = _gpt(dropout)
-    result = parallelize(module, layout, mesh, options, rank, data_mesh=data_mesh(layout, mesh, options.zero_stage))
+    meshes = RunMeshes.build(layout, "cpu", options.zero_stage)
+    mesh = meshes.run
+    result = parallelize(module, meshes=meshes, options=options, adapter=adapt(module))
     runner = None
     if result.pipelined:
         runner = PipelineRunner(result.stages, result.stage_ids, result.num_stages, options.schedule,

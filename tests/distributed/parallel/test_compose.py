@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL, ParallelLayout
+from lightning_parallel.adapters import adapt
+from lightning_parallel.layout.meshes import RunMeshes
 from lightning_parallel.parallel.compose import parallelize
-from lightning_parallel.parallel.data import build_data_mesh as data_mesh
 from lightning_parallel.parallel.data import deferred_gradient_sync
 from lightning_parallel.parallel.gradients import clip_grad_norm_
 from lightning_parallel.parallel.options import ParallelOptions
@@ -54,10 +55,11 @@ def _train_parallel(
     rank: int, world_size: int, sizes: tuple[int, int, int], zero_stage: int, average: bool = True
 ) -> dict:
     layout = ParallelLayout(world_size, *sizes)
-    mesh = layout.build_mesh("cpu")
+    meshes = RunMeshes.build(layout, "cpu", zero_stage)
+    mesh = meshes.run
     options = ParallelOptions(*sizes, zero_stage=zero_stage, microbatches=2, schedule="gpipe", partition="uniform")
     module = copy.deepcopy(tiny_gpt())
-    result = parallelize(module, layout, mesh, options, rank, data_mesh=data_mesh(layout, mesh, zero_stage))
+    result = parallelize(module, meshes=meshes, options=options, adapter=adapt(module))
     runner = None
     if result.pipelined:
         runner = PipelineRunner(result.stages, result.stage_ids, result.num_stages, options.schedule,

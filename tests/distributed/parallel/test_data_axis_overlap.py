@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.adapters import adapt
+from lightning_parallel.layout.meshes import RunMeshes
 from lightning_parallel.parallel.compose import parallelize
-from lightning_parallel.parallel.data import build_data_mesh as data_mesh
 from lightning_parallel.parallel.data import deferred_gradient_sync
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.testing import run_processes
@@ -54,9 +55,9 @@ def _run(rank: int, world_size: int) -> dict:
     reference = ResidualMLP(width=WIDTH, depth=3)
     module = copy.deepcopy(reference)
     layout = ParallelLayout(2, 2, 1, 1)
-    mesh = layout.build_mesh("cpu")
+    meshes = RunMeshes.build(layout, "cpu", 0)
     bucketed = copy.deepcopy(reference)  # DDP's default 25 MB bucket holds this whole model: one all-reduce
-    wrapped = [parallelize(target, layout, mesh, options, rank, data_mesh=data_mesh(layout, mesh, 0)).replicated
+    wrapped = [parallelize(target, meshes=meshes, options=options, adapter=adapt(target)).replicated
                for target, options in ((module, ParallelOptions(data_parallel_size=2, bucket_size_mb=0)),
                                        (bucketed, ParallelOptions(data_parallel_size=2)))]
     events: list = []

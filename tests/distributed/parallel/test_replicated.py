@@ -10,8 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.adapters import adapt
+from lightning_parallel.layout.meshes import RunMeshes
 from lightning_parallel.parallel.compose import parallelize
-from lightning_parallel.parallel.data import build_data_mesh
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.replicated import replicates_plain
 from lightning_parallel.testing import run_processes
@@ -32,9 +33,9 @@ def _steps(rank: int, world_size: int, find_unused: bool) -> dict:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     reference, module = _model(), _model()
     layout = ParallelLayout(2, 2, 1, 1)
-    mesh = layout.build_mesh("cpu")
     options = ParallelOptions(data_parallel_size=2, find_unused_parameters=find_unused)
-    ddp = parallelize(module, layout, mesh, options, rank, data_mesh=build_data_mesh(layout, mesh, 0)).replicated
+    ddp = parallelize(module, meshes=RunMeshes.build(layout, "cpu", 0), options=options,
+                      adapter=adapt(module)).replicated
     x, y = torch.randn(2, BATCH, WIDTH, generator=torch.Generator().manual_seed(1)), torch.zeros(2, BATCH, WIDTH)
     half = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
     diffs, error = [], None

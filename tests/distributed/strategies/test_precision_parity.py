@@ -25,9 +25,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_parallel.adapters import adapt
 from lightning_parallel.layout import DATA_PARALLEL, TENSOR_PARALLEL, ParallelLayout
-from lightning_parallel.parallel.compose import parallelize
+from lightning_parallel.adapters import adapt
+from lightning_parallel.layout.meshes import RunMeshes
+from lightning_parallel.parallel.compose import BuildSettings, parallelize
 from lightning_parallel.parallel.data import shard_data_axis
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, resolve_plan
@@ -125,9 +126,9 @@ class RecordReductions(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _norm_gradient_reductions(rank: int, world_size: int, mesh, hand_built_policy: bool) -> dict:
+def _norm_gradient_reductions(rank: int, world_size: int, meshes, hand_built_policy: bool) -> dict:
     """One bf16-autocast step of a sequence-parallel GPT on dp1 x tp2 under FSDP2 (zero_stage=2)."""
-    layout = ParallelLayout(world_size, 1, 1, world_size)
+    mesh = meshes.run
     module = copy.deepcopy(tiny_gpt())
     norm_shape = tuple(module.head.norm.weight.shape)
     if hand_built_policy:  # torchtitan's policy, which the suite refuses with tensor parallelism
@@ -140,7 +141,8 @@ def _norm_gradient_reductions(rank: int, world_size: int, mesh, hand_built_polic
         shard_data_axis(list(module.pipeline_layers()), [module], mesh[DATA_PARALLEL], 2, policy)
     else:
         options = ParallelOptions(1, 1, world_size, zero_stage=2, sequence_parallel=True)
-        parallelize(module, layout, mesh, options, rank, precision="bf16-mixed")
+        parallelize(module, meshes=meshes, options=options, adapter=adapt(module),
+                    build=BuildSettings(precision="bf16-mixed"))
     inputs, targets = batches(1)[0]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = module.pipeline_loss(module(inputs), targets)
@@ -153,8 +155,8 @@ def _norm_gradient_reductions(rank: int, world_size: int, mesh, hand_built_polic
 
 
 def _both(rank: int, world_size: int) -> dict:
-    mesh = ParallelLayout(world_size, 1, 1, world_size).build_mesh("cpu")
-    return {name: _norm_gradient_reductions(rank, world_size, mesh, hand_built)
+    meshes = RunMeshes.build(ParallelLayout(world_size, 1, 1, world_size), "cpu", 2)
+    return {name: _norm_gradient_reductions(rank, world_size, meshes, hand_built)
             for name, hand_built in (("suite", False), ("torchtitan_policy", True))}
 
 

@@ -18,6 +18,8 @@ from lightning_parallel.parallel.activation_checkpoint import (
     describe_choice,
     is_checkpointed,
 )
+from lightning_parallel.adapters import adapt
+from lightning_parallel.layout.meshes import RunMeshes
 from lightning_parallel.parallel.compose import check_module, checkpoint_activations, parallelize
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.testing.models import ResidualMLP
@@ -46,7 +48,7 @@ def test_recomputation_under_dropout_is_exact_and_keeps_every_name(choice):
     model, tokens = _gpt(), torch.randint(0, 64, (4, 16))
     loss, grads = _loss_and_grads(copy.deepcopy(model), tokens)
     checkpointed = copy.deepcopy(model)
-    chosen = checkpoint_activations(checkpointed, choice)
+    chosen = checkpoint_activations(checkpointed, choice, adapter=adapt(checkpointed))
     assert chosen and all(is_checkpointed(m) for m in chosen)
     expected = 4 if isinstance(choice, str) else 3  # embed, 2 blocks, head; or two attentions and one MLP
     assert len(chosen) == expected
@@ -67,7 +69,7 @@ def test_recomputation_without_the_rng_state_would_differ(monkeypatch):
         activation_checkpoint, "checkpoint", lambda *a, **k: exact(*a, **{**k, "preserve_rng_state": False})
     )
     checkpointed = copy.deepcopy(model)
-    checkpoint_activations(checkpointed, "full")
+    checkpoint_activations(checkpointed, "full", adapter=adapt(checkpointed))
     _, new_grads = _loss_and_grads(checkpointed, tokens)
     assert _max_difference(new_grads, grads) > 1e-4
 
@@ -86,7 +88,7 @@ class _BackwardOps(TorchDispatchMode):
                          [("none", False, False), ("full", True, True), ("selective", False, True)])
 def test_selective_recomputes_activations_but_no_matmul(choice, matmuls_again, gelu_again):
     model = _gpt()
-    checkpoint_activations(model, choice) if choice != "none" else None
+    checkpoint_activations(model, choice, adapter=adapt(model)) if choice != "none" else None
     loss = model.pipeline_loss(model(torch.randint(0, 64, (2, 16))), torch.randint(0, 64, (2, 16)))
     with _BackwardOps() as ops:
         loss.backward()
@@ -97,7 +99,7 @@ def test_selective_recomputes_activations_but_no_matmul(choice, matmuls_again, g
 
 def test_a_module_is_checkpointed_once():
     model = _gpt()
-    checkpoint_activations(model, "full")
+    checkpoint_activations(model, "full", adapter=adapt(model))
     with pytest.raises(ValueError, match="already activation-checkpointed"):
         apply_activation_checkpointing([model.blocks["0"]])
 
@@ -154,7 +156,8 @@ def test_fsdp2_shards_the_checkpointed_layers_and_the_state_dict_keeps_its_names
         x, names = torch.randn(4, 16), list(module.state_dict())
         expected = module(x)
         options = ParallelOptions(data_parallel_size=1, zero_stage=3, activation_checkpointing="full")
-        parallelize(module, layout, layout.build_mesh("cpu"), options, rank=0)
+        parallelize(module, meshes=RunMeshes.build(layout, "cpu", options.zero_stage), options=options,
+                    adapter=adapt(module))
         assert all(is_checkpointed(m) and isinstance(m, FSDPModule) for m in module.pipeline_layers())
         torch.testing.assert_close(module(x), expected)
         assert list(get_model_state_dict(module)) == names
@@ -187,7 +190,7 @@ def test_a_hugging_face_decoder_checkpoints_its_blocks_exactly(choice):
 
     grads = loss_and_grads(copy.deepcopy(model))
     checkpointed = copy.deepcopy(model)
-    chosen = checkpoint_activations(checkpointed, choice)
+    chosen = checkpoint_activations(checkpointed, choice, adapter=adapt(checkpointed))
     assert chosen == list(checkpointed.model.layers)  # the decoder blocks, keyword arguments and all
     assert checkpointed.config.use_cache is False  # a training-time KV cache would grow again in recomputation
     assert list(checkpointed.state_dict()) == list(model.state_dict())
@@ -207,7 +210,7 @@ def test_the_benchmarks_memory_counter_sees_what_checkpointing_keeps():
     peaks = {}
     for choice in ("none", "full"):
         model = _gpt()
-        checkpoint_activations(model, choice) if choice != "none" else None
+        checkpoint_activations(model, choice, adapter=adapt(model)) if choice != "none" else None
         tokens = torch.randint(0, 64, (4, 16))
         with LiveTensorBytes(list(model.parameters())) as counter:
             model.pipeline_loss(model(tokens), tokens).backward()

@@ -5,6 +5,7 @@ import torch
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallel.compile import compile_backend
+from lightning_parallel.adapters import adapt
 from lightning_parallel.parallel.compose import parallelize
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.testing.models import ResidualMLP
@@ -35,7 +36,7 @@ def test_the_option_is_part_of_the_settings_a_parallelised_module_keeps():
 def test_parallelize_compiles_every_layer_and_nothing_else(world_of_one):
     module = ResidualMLP(width=8, depth=3)
     layout = ParallelLayout(1, 1, 1, 1)
-    parallelize(module, layout, layout.build_mesh("cpu"), ParallelOptions(compile="eager"), 0)
+    parallelize(module, meshes=world_of_one[1], options=ParallelOptions(compile="eager"), adapter=adapt(module))
     assert [_compiled(layer) for layer in module.pipeline_layers()] == [True] * len(module.pipeline_layers())
     assert not _compiled(module)
     x = torch.randn(4, 8)
@@ -46,7 +47,7 @@ def test_parallelize_compiles_every_layer_and_nothing_else(world_of_one):
 def test_without_the_option_nothing_is_compiled(world_of_one):
     module = ResidualMLP(width=8, depth=2)
     layout = ParallelLayout(1, 1, 1, 1)
-    parallelize(module, layout, layout.build_mesh("cpu"), ParallelOptions(), 0)
+    parallelize(module, meshes=world_of_one[1], options=ParallelOptions(), adapter=adapt(module))
     assert not any(_compiled(m) for m in module.modules())
 
 

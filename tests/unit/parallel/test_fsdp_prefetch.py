@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_parallel.adapters import adapt
 from lightning_parallel.parallel.compose import parallelize
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.testing.models import ResidualMLP
@@ -29,7 +30,8 @@ def test_each_layer_prefetches_the_next_two_in_forward_and_the_previous_two_in_b
     x = torch.randn(4, 16)
     expected = module(x)
     layers = module.pipeline_layers()  # inp, blocks 0-2, out: five FSDP2 units
-    parallelize(module, layout, mesh, ParallelOptions(data_parallel_size=1, zero_stage=3, fsdp_prefetch=2), rank=0)
+    parallelize(module, meshes=mesh, options=ParallelOptions(data_parallel_size=1, zero_stage=3, fsdp_prefetch=2),
+                adapter=adapt(module))
 
     ids = [id(layer) for layer in layers]
     assert forward == {ids[0]: ids[1:3], ids[1]: ids[2:4], ids[2]: ids[3:5], ids[3]: [ids[4]]}
@@ -41,9 +43,8 @@ def test_each_layer_prefetches_the_next_two_in_forward_and_the_previous_two_in_b
 def test_without_the_option_fsdp2_keeps_its_defaults(world_of_one, monkeypatch):
     forward = _recording(monkeypatch, "set_modules_to_forward_prefetch")
     layout, mesh = world_of_one
-    parallelize(
-        ResidualMLP(width=16, depth=2), layout, mesh, ParallelOptions(data_parallel_size=1, zero_stage=3), rank=0
-    )
+    module = ResidualMLP(width=16, depth=2)
+    parallelize(module, meshes=mesh, options=ParallelOptions(data_parallel_size=1, zero_stage=3), adapter=adapt(module))
     assert forward == {}
 
 

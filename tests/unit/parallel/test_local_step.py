@@ -14,7 +14,7 @@ def _sharded(world_of_one) -> nn.Module:
     _, mesh = world_of_one
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
-    fully_shard(model, mesh=mesh["data_parallel"])
+    fully_shard(model, mesh=mesh.mesh("data_parallel"))
     return model
 
 

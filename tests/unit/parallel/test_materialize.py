@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.parallel.compose import parallelize
+from lightning_parallel.adapters import adapt
+from lightning_parallel.parallel.compose import BuildSettings, parallelize
 from lightning_parallel.parallel.materialize import Materialization, materialize, plan_initialisation
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.protocol import layer_seed, seeded_init
@@ -66,9 +67,9 @@ def test_parallelize_refuses_a_meta_model_without_a_materialization(world_of_one
     with torch.device("meta"):
         module = Tied()
     with pytest.raises(ValueError, match="is on the meta device: pass materialization="):
-        parallelize(module, layout, mesh, ParallelOptions(data_parallel_size=1), rank=0)
+        parallelize(module, meshes=mesh, options=ParallelOptions(data_parallel_size=1), adapter=adapt(module))
     with torch.device("meta"):
         module = Tied()
-    parallelize(module, layout, mesh, ParallelOptions(data_parallel_size=1), rank=0,
-                materialization=Materialization(torch.device("cpu"), 3))
+    parallelize(module, meshes=mesh, options=ParallelOptions(data_parallel_size=1), adapter=adapt(module),
+                build=BuildSettings(materialization=Materialization(torch.device("cpu"), 3)))
     assert not any(p.is_meta for p in module.parameters()) and module.head.weight is module.embed.weight

@@ -5,6 +5,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from lightning_parallel.layout import DATA_PARALLEL
+from lightning_parallel.adapters import adapt
 from lightning_parallel.parallel.compose import parallelize
 from lightning_parallel.parallel.data import offload_policy, shard_data_axis
 from lightning_parallel.parallel.options import OFFLOAD_DESCRIPTIONS, OFFLOAD_MODES, ParallelOptions
@@ -63,7 +64,7 @@ def test_shard_data_axis_gives_every_unit_the_policy(world_of_one, monkeypatch):
     policies = _recording_fully_shard(monkeypatch)
     _, mesh = world_of_one
     module = ResidualMLP(width=8, depth=2)
-    shard_data_axis(module.pipeline_layers(), [module], mesh[DATA_PARALLEL], 3, offload="params")
+    shard_data_axis(module.pipeline_layers(), [module], mesh.mesh(DATA_PARALLEL), 3, offload="params")
     assert len(policies) == len(module.pipeline_layers()) + 1  # every layer, then the root
     assert all(p == CPUOffloadPolicy(pin_memory=False) for p in policies)
 
@@ -79,8 +80,8 @@ def test_parallelize_offloads_and_trains_as_without_on_a_cpu_device(world_of_one
         torch.manual_seed(0)
         module = ResidualMLP(width=16, depth=2)
         policies.clear()
-        parallelize(module, layout, mesh, ParallelOptions(data_parallel_size=1, zero_stage=stage, offload=offload),
-                    rank=0)
+        parallelize(module, meshes=mesh, options=ParallelOptions(data_parallel_size=1, zero_stage=stage,
+                                                                 offload=offload), adapter=adapt(module))
         expected = OffloadPolicy() if offload == "none" else CPUOffloadPolicy(pin_memory=False)
         assert policies and all(p == expected for p in policies), f"offload={offload!r}: {policies}"
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)

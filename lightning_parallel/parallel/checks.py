@@ -1,0 +1,119 @@
+"""Everything about a module and a layout that can be checked before a process group exists.
+
+:func:`check_module` is what a strategy (and ``lp-train``'s preflight, on ``meta``) runs before any rank starts;
+:func:`~lightning_parallel.parallel.compose.parallelize` runs the same checks on the whole model (:func:`check_whole`)
+before it splits anything, so a run refused here is refused there with the same message.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from torch import nn
+
+from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.parallel import activation_checkpoint
+from lightning_parallel.parallel.adapter import ModelAdapter
+from lightning_parallel.parallel.options import ParallelOptions
+from lightning_parallel.parallel.pipeline.cut import check_pipeline
+from lightning_parallel.parallel.pipeline.plan import PipelinePlan
+from lightning_parallel.parallel.pipeline.stages import RemovedLayer
+from lightning_parallel.parallel.tensor.plan import resolve_plan, validate_tensor_parallel
+from lightning_parallel.parallel.token_axes import batch_splits
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+
+def check_module(
+    module: nn.Module, layout: ParallelLayout, options: ParallelOptions, *, adapter: Optional[ModelAdapter] = None
+) -> dict[str, ParallelStyle]:
+    """Everything about ``module`` that can be checked before a process group exists.
+
+    Args:
+        module: the whole model (any device, ``meta`` included; the layer-chain check runs
+            only on materialised weights).
+        layout: the resolved layout.
+        options: the run's options.
+        adapter: the model's adapter (a public entry point: resolved here when not given,
+            ``ModelAdapter.resolve(module)``; the strategies pass the one they resolved once).
+
+    Returns:
+        The resolved tensor-parallel plan (empty without tensor parallelism).
+
+    Raises:
+        ValueError: a module that cannot be pipelined (a Hugging Face model without a
+            pipeline plan, an encoder-decoder, a layer chain that does not compose to
+            ``forward``), too few layers for the stages, a schedule the layout cannot run,
+            or a plan the tensor size does not divide.
+    """
+    adapter = adapter or ModelAdapter.resolve(module)
+    if layout.pipeline_parallel_enabled:
+        check_pipeline(module, layout, options, adapter=adapter)
+    check_activation_checkpointing(module, options.activation_checkpointing, adapter=adapter)
+    if layout.context_parallel_enabled:
+        adapter.check_context_parallel(options.context_parallel_method, layout.context_parallel, layout.tensor_parallel)
+    adapter.check_batch_split(batch_splits(layout, options.schedule))
+    if layout.expert_parallel > 1:
+        adapter.check_expert_parallel(layout.expert_parallel)
+    return check_tensor(module, layout, options, adapter=adapter)
+
+
+def check_activation_checkpointing(
+    module: nn.Module, choice: activation_checkpoint.Choice, *, adapter: ModelAdapter
+) -> None:
+    """Refuse an ``activation_checkpointing`` choice (validated by ``check_choice``) that would checkpoint nothing:
+    a glob naming no submodule, or ``full``/``selective`` on a module without layers (``adapter.layers()``)."""
+    if isinstance(choice, tuple):
+        activation_checkpoint.matching_modules(module, choice)
+    elif choice != "none" and not adapter.layers():
+        raise ValueError(
+            f"activation_checkpointing={choice!r} checkpoints the model's layers, but {type(module).__name__} has "
+            "neither pipeline_layers() nor a Hugging Face decoder's layers: define pipeline_layers(), or name the "
+            "submodules to checkpoint with a list of globs (activation_checkpointing=['blocks.*'])."
+        )
+
+
+def check_tensor(
+    module: nn.Module, layout: ParallelLayout, options: ParallelOptions, *, adapter: ModelAdapter
+) -> dict[str, ParallelStyle]:
+    """The tensor half of :func:`check_module`; returns the resolved plan (empty without tensor parallelism)."""
+    if not layout.tensor_parallel_enabled:
+        return {}
+    plan = resolve_plan(
+        module, options.plan, sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel,
+        adapter=adapter,
+    )
+    validate_tensor_parallel(module, plan, layout.tensor_parallel, adapter=adapter)
+    return plan
+
+
+def is_parallelized(module: nn.Module) -> bool:
+    """Whether ``module`` was already split or sharded (placeholders, DTensor parameters or FSDP2 units)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(m, (RemovedLayer, FSDPModule)) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+
+
+def check_whole(module: nn.Module, layout: ParallelLayout, options: ParallelOptions,
+                 adapter: ModelAdapter) -> tuple[Optional[PipelinePlan], dict]:
+    """The checks on the whole model, before the split: ``(pipeline plan or None, tensor plan)``."""
+    pipe = check_pipeline(module, layout, options, adapter=adapter) if layout.pipeline_parallel_enabled else None
+    plan = check_tensor(module, layout, options, adapter=adapter)
+    if layout.context_parallel_enabled:  # on the whole model: a pipeline rank's share may hold no attention
+        adapter.check_context_parallel(options.context_parallel_method, layout.context_parallel, layout.tensor_parallel)
+    adapter.check_batch_split(batch_splits(layout, options.schedule))
+    if layout.expert_parallel > 1:
+        adapter.check_expert_parallel(layout.expert_parallel)
+    return pipe, plan
+
+
+def refuse_parallelized(module: nn.Module) -> None:
+    if is_parallelized(module):
+        raise ValueError(
+            f"{type(module).__name__} was already split or sharded by an earlier run and cannot be parallelised again: "
+            "build a fresh module and load the checkpoint into it (ckpt_path=...)."
+        )
