@@ -137,7 +137,7 @@ def startup_table(cfg: Any, strategy: Any, layout: ParallelLayout, effective: Ef
         layout: the resolved layout.
         effective: the effective hyperparameters.
         logger: the run's logger (its folder is shown), or False.
-        summary: ``lightning_parallel.cli.train.run_summary`` of the run.
+        summary: ``lightning_parallel.cli.effective.run_summary`` of the run.
     """
     import torch
     from omegaconf import OmegaConf

@@ -12,15 +12,8 @@ optional raw DeepSpeed config for everything else. A raw config may repeat a val
 first two but not contradict it. Lightning's private hooks and helpers are reached through
 :mod:`lightning_parallel._compat`.
 
-Note:
-    Under ZeRO-3, Lightning's step redirection enters the LightningModule twice per step:
-    the engine calls it with ``forward`` patched to ``training_step``, and
-    ``training_step`` calls ``self(...)``. DeepSpeed starts a new step (``reset_step``)
-    at every entry of its top module, so its parameter trace was cut after one module and
-    discarded every step: parameters were gathered again for backward (2x the all-gather
-    bytes) and the trace checks cost 8 broadcasts per step.
-    :class:`_ZeRO3ForwardRedirection` makes one redirected step one DeepSpeed step; the
-    collectives then equal those of a raw ``deepspeed.initialize`` loop.
+How a step enters the engine (one redirected step is one ZeRO-3 step; ``bf16-mixed`` batches left to autocast) is
+:mod:`lightning_parallel.strategies.deepspeed_steps`.
 """
 
 from __future__ import annotations
@@ -44,12 +37,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel._compat import (
-    DDPForwardRedirection,
     auto_select_batch_size,
     init_deepspeed_distributed,
     remove_module_hooks,
     set_forward_redirection,
-    zero3_param_coordinator,
 )
 from lightning_parallel.checkpoints.detect import describe_checkpoint, unreadable_checkpoint_error
 from lightning_parallel.parallel import activation_checkpoint as ac
@@ -63,6 +54,7 @@ from lightning_parallel.strategies.deepspeed_config import (
     resolve_zero_stage,
 )
 from lightning_parallel.strategies.deepspeed_init import use_deepspeed_accelerator
+from lightning_parallel.strategies.deepspeed_steps import AutocastDeepSpeedPrecision, ZeRO3ForwardRedirection
 from lightning_parallel.strategies.reduction import ReduceWithoutBarrier
 from lightning_parallel.strategies.resolved_adapter import resolved_adapter
 
@@ -76,54 +68,6 @@ REGISTERED = {
     "deepspeed_zero3_offload": ("DeepSpeed ZeRO stage 3 with optimizer state and parameters offloaded to CPU memory",
                                 {"zero_stage": 3, "offload_optimizer": True, "offload_parameters": True}),
 }
-
-
-class _ZeRO3ForwardRedirection(DDPForwardRedirection):
-    """Lightning's step redirection, counted by ZeRO-3 as one step however often the module is entered.
-
-    Lightning runs ``training_step`` (and the evaluation steps) through the engine by
-    patching the LightningModule's ``forward``; the step then calls ``self(...)``, which
-    enters the same top module again. DeepSpeed's start-of-forward hook on that module
-    calls ``reset_step`` on every entry, so the second entry completes a one-module trace
-    that the next submodule invalidates -- every step. While a step is redirected, only the
-    first ``reset_step`` runs: the trace then covers the whole forward and backward, is
-    recorded once and reused, as in a raw ``engine(batch)`` loop.
-    """
-
-    @override
-    def __call__(self, wrapper_module: Module, original_module: Any, method_name: str,
-                 *args: Any, **kwargs: Any) -> Any:
-        coordinator = zero3_param_coordinator(wrapper_module)
-        if coordinator is None or "reset_step" in vars(coordinator):
-            return super().__call__(wrapper_module, original_module, method_name, *args, **kwargs)
-        reset_step = coordinator.reset_step
-        entries = 0
-
-        def reset_on_first_entry() -> None:
-            nonlocal entries
-            entries += 1
-            if entries == 1:
-                reset_step()
-
-        # An instance attribute shadows the method for this call only; deleted below.
-        coordinator.reset_step = reset_on_first_entry
-        try:
-            return super().__call__(wrapper_module, original_module, method_name, *args, **kwargs)
-        finally:
-            del coordinator.reset_step
-
-
-class _AutocastDeepSpeedPrecision(DeepSpeedPrecision):
-    """Lightning's DeepSpeed precision for ``bf16-mixed`` (DeepSpeed's ``torch_autocast``), inputs left as they come.
-
-    Lightning's plugin casts every floating-point batch tensor to bf16 under ``bf16-mixed``,
-    targets included, which no other strategy does under autocast (a loss against
-    bf16-rounded targets differs from the first step on). Autocast casts what each op needs.
-    """
-
-    @override
-    def convert_input(self, data: Any) -> Any:
-        return data
 
 
 class DeepSpeedDataParallelStrategy(ReduceWithoutBarrier, DeepSpeedStrategy):
@@ -193,8 +137,8 @@ class DeepSpeedDataParallelStrategy(ReduceWithoutBarrier, DeepSpeedStrategy):
                          timeout=timeout, load_full_weights=load_full_weights)
         self.zero_stage = stage
         self.timeout = timeout
-        # ZeRO-3 only changes behaviour (see _ZeRO3ForwardRedirection); other stages pass through.
-        set_forward_redirection(self, _ZeRO3ForwardRedirection())
+        # ZeRO-3 only changes behaviour (see ZeRO3ForwardRedirection); other stages pass through.
+        set_forward_redirection(self, ZeRO3ForwardRedirection())
         self.offload_optimizer = offload_optimizer
         self.offload_parameters = offload_parameters
 
@@ -226,7 +170,7 @@ class DeepSpeedDataParallelStrategy(ReduceWithoutBarrier, DeepSpeedStrategy):
             )
         apply_precision(copy.deepcopy(self.config), self.precision_plugin.precision, self.device_type)
         if self.precision_plugin.precision == "bf16-mixed" and type(self.precision_plugin) is DeepSpeedPrecision:
-            self.precision_plugin = _AutocastDeepSpeedPrecision("bf16-mixed")
+            self.precision_plugin = AutocastDeepSpeedPrecision("bf16-mixed")
         if self.world_size > 1:  # every DeepSpeed rank is a data-parallel replica
             resolved_adapter(self).check_batch_split([f"data parallel over {self.world_size} ranks"])
         check_activation_checkpointing(

@@ -3,7 +3,7 @@
 Counted, never timed: each Trainer step and one raw engine step after it (same model,
 same resolved DeepSpeed config, same process group) run inside a
 :class:`benchmarks.comm.CommCounter`. Before the fix in
-``lightning_parallel/strategies/deepspeed.py`` (``_ZeRO3ForwardRedirection``), Lightning's
+``lightning_parallel/strategies/deepspeed_steps.py`` (``ZeRO3ForwardRedirection``), Lightning's
 step redirection entered the LightningModule twice per step, DeepSpeed dropped its
 parameter trace every step, and the Trainer step gathered every parameter twice and
 broadcast 8 times.

@@ -1,0 +1,82 @@
+"""torch's private or undocumented parts the suite relies on: DeviceMesh, DCP's load planner and reader, the grouped
+GEMM, the LR scheduler's step mark, the optimizer in backward (the door: :mod:`lightning_parallel._compat`).
+
+Each touch point says why it is private; ``tests/unit/test_compat.py`` has a canary for each.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def keep_lr_scheduler_marker(step: Any, wrapped: Any) -> None:
+    """Mark ``step``, a replacement of ``optimizer.step`` that calls ``wrapped``, as torch's LR scheduler marks the
+    step it wraps (``_wrapped_by_lr_sched``) when ``wrapped`` carries that mark: the scheduler's wrapper still runs,
+    so its order check stays true, and torch does not warn that the step was overridden after the scheduler."""
+    if hasattr(wrapped, "_wrapped_by_lr_sched"):
+        step._wrapped_by_lr_sched = True
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``x [m, k] @ weight[g] [G, k, n]`` for the row groups ending at ``offsets`` (int32 cumulative counts).
+
+    Why private: ``torch._grouped_mm`` is torch's only grouped GEMM (CPU and CUDA in 2.13), the kernel
+    torchtitan's MoE uses; :mod:`lightning_parallel.parallel.experts.grouped` falls back to a loop where its
+    alignment rules are not met.
+    """
+    return torch._grouped_mm(x, weight, offs=offsets)
+
+
+def unflatten_mesh_dim(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """A view of ``mesh`` with dimension ``dim`` split into ``sizes`` named ``names`` (same ranks, same root).
+
+    Why private: FSDP2's HSDP needs a 2-D ``(replicate, shard)`` data mesh on the same root as
+    the tensor-parallel DTensors, while the run keeps the 1-D ``data_parallel`` axis for its
+    groups; torch 2.13 offers this only as ``DeviceMesh._unflatten`` (torchtitan's route), and
+    the public alternative (a 4-D root plus ``_flatten``) warns on every flattened slice.
+    """
+    return mesh._unflatten(dim, sizes, names)
+
+
+def dcp_set_element(root: dict[str, Any], path: Any, value: Any) -> None:
+    """Put ``value`` at a flattened-key path of a nested state dict, as DCP's DefaultLoadPlanner does.
+
+    Why private: the allow-listed load planner replaces ``load_bytes`` and must store the
+    value exactly where the default one would (``torch.distributed.checkpoint._traverse``).
+    """
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(root, path, value)
+
+
+def dcp_metadata_path(reader: Any, rank: Optional[int]) -> Any:
+    """Where a FileSystemReader finds ``.metadata`` (per-rank metadata files included); no public accessor."""
+    return reader._get_metadata_path(rank)
+
+
+def load_planner_target(planner: Any) -> tuple[bool, dict[str, Any], dict[str, Any], Any]:
+    """A DefaultLoadPlanner's ``(flatten_state_dict, original_state_dict, state_dict, mappings)``.
+
+    Undocumented attributes.
+    """
+    return planner.flatten_state_dict, planner.original_state_dict, planner.state_dict, planner.mappings
+
+
+def in_backward_optimizer_settings(param: Any) -> Optional[tuple[type, dict[str, Any]]]:
+    """``(optimizer class, kwargs)`` that ``apply_optimizer_in_backward`` attached to ``param``, or None.
+
+    Why private: torch's optimizer-in-backward (which TorchRec's ``apply_optimizer_in_backward`` calls) keeps
+    them only in the parameter's ``_optimizer_classes`` / ``_optimizer_kwargs`` lists; TorchRec's sharders read
+    the same attributes to build a table's fused optimizer. A data-parallel table has no fused optimizer, so
+    the suite reads them to give it the same optimizer. One optimizer per table, as TorchRec requires.
+    """
+    classes = getattr(param, "_optimizer_classes", None)
+    kwargs = getattr(param, "_optimizer_kwargs", None)
+    if not classes:
+        return None
+    return classes[0], dict(kwargs[0] if kwargs else {})
