@@ -1,9 +1,11 @@
 """The package's import rules and size limits (docs/architecture.md), checked statically on the source.
 
 Pure ``ast`` analysis: nothing under test is imported, so the file runs in a fraction of a second.
-An import counts wherever it sits (inside a function too) unless it is under ``if TYPE_CHECKING:``,
-which never runs. Relative imports are resolved to absolute names, and ``from pkg import name``
-counts as importing ``pkg.name`` as well as ``pkg``, so ``from lightning_parallel import cli`` is seen.
+An import counts wherever it sits (inside a function too). Imports under ``if TYPE_CHECKING:`` never run:
+the direction and private-name rules exempt them, the circle rule counts them (an annotation is a dependency
+too, and a circle through one is the same tangle to a reader). Relative imports are resolved to absolute
+names, and ``from pkg import name`` counts as importing ``pkg.name`` as well as ``pkg``, so
+``from lightning_parallel import cli`` is seen.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ PACKAGE = ROOT / "lightning_parallel"
 EXAMPLES = ROOT / "examples"
 
 MAX_TOP_LEVEL_MODULES = 6
-MAX_MODULE_LINES = 400
+MAX_MODULE_LINES = 350
+# Modules another change of issue 40 is rewriting right now (the hybrid strategy's seams: fault tolerance and the
+# after-backward steps as objects); it brings them under the limit, then their entries go. An entry under the
+# limit (or gone) fails the test, so the list cannot outlive the fix.
+OVER_THE_LINE_LIMIT = {
+    "lightning_parallel/strategies/hybrid.py",
+}
 MAX_FUNCTION_LINES = 50
 
 
@@ -32,6 +40,7 @@ class Import:
     line: int
     names: tuple[str, ...]  # candidates for matching: the module, then each `module.name` of a `from` import
     module_level: bool  # runs when the module is imported (not inside a function)
+    type_checking: bool = False  # under `if TYPE_CHECKING:`: never runs, seen by type checkers only
 
     def where(self) -> str:
         return f"{self.path.relative_to(ROOT)}:{self.line}"
@@ -66,10 +75,11 @@ class _Collector(ast.NodeVisitor):
     def __init__(self, path: Path) -> None:
         self.path = path
         self.depth = 0  # function nesting
+        self.type_checking = False  # inside the body of `if TYPE_CHECKING:`
         self.found: list[Import] = []
 
     def _add(self, node: ast.stmt, names: tuple[str, ...]) -> None:
-        self.found.append(Import(self.path, node.lineno, names, module_level=self.depth == 0))
+        self.found.append(Import(self.path, node.lineno, names, self.depth == 0, self.type_checking))
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
@@ -80,11 +90,15 @@ class _Collector(ast.NodeVisitor):
         self._add(node, (module, *(f"{module}.{alias.name}" for alias in node.names if alias.name != "*")))
 
     def visit_If(self, node: ast.If) -> None:
-        if _is_type_checking(node.test):
-            for statement in node.orelse:  # the `else:` of `if TYPE_CHECKING:` does run
-                self.visit(statement)
-        else:
+        if not _is_type_checking(node.test):
             self.generic_visit(node)
+            return
+        outer, self.type_checking = self.type_checking, True
+        for statement in node.body:
+            self.visit(statement)
+        self.type_checking = outer
+        for statement in node.orelse:  # the `else:` of `if TYPE_CHECKING:` does run
+            self.visit(statement)
 
     def _visit_function(self, node: ast.AST) -> None:
         self.depth += 1
@@ -101,8 +115,14 @@ def _collect(path: Path, source: str) -> tuple[Import, ...]:
 
 
 @cache
-def _imports(path: Path) -> tuple[Import, ...]:
+def _all_imports(path: Path) -> tuple[Import, ...]:
+    """Every import of ``path``, those under ``if TYPE_CHECKING:`` included (the circle rule)."""
     return _collect(path, path.read_text())
+
+
+def _imports(path: Path) -> tuple[Import, ...]:
+    """The imports of ``path`` that run (the direction and private-name rules)."""
+    return tuple(found for found in _all_imports(path) if not found.type_checking)
 
 
 def _within(name: str, prefix: str) -> bool:
@@ -124,12 +144,13 @@ def test_import_collector_resolves_what_the_rules_rely_on():
     )
     found = _collect(PACKAGE / "parallel" / "fake.py", source)
     module_level = {name: statement.module_level for statement in found for name in statement.names}
+    type_checking = {name: statement.type_checking for statement in found for name in statement.names}
     assert module_level["lightning_parallel.cli"] is True
     assert module_level["lightning_parallel.parallel.sibling"] is True
     assert module_level["lightning_parallel.adapters.hf"] is True
-    assert module_level["json"] is True
+    assert module_level["json"] is True and type_checking["json"] is False
     assert module_level["lightning_parallel.parallel.compose"] is False
-    assert "lightning.pytorch" not in module_level
+    assert type_checking["lightning.pytorch"] is True and type_checking["lightning_parallel.cli"] is False
 
 
 # --- 1. import directions ----------------------------------------------------------------
@@ -191,10 +212,10 @@ def test_import_directions(rule):
     assert offenders == [], f"{rule.id}: " + "; ".join(offenders)
 
 
-def test_private_names_of_other_packages_are_imported_only_by_the_compat_module():
+def test_private_names_of_other_packages_are_imported_only_by_the_compat_package():
     offenders = []
     for path in _files(PACKAGE):
-        if path.name == "_compat.py":
+        if PACKAGE / "_compat" in path.parents:  # the one door (a module per package it reaches into)
             continue
         for found in _imports(path):
             for name in found.names:
@@ -208,14 +229,20 @@ def test_private_names_of_other_packages_are_imported_only_by_the_compat_module(
 # --- 2. no import cycles -----------------------------------------------------------------
 
 
+# Circles in files another change of issue 40 is rewriting (layout/ gains the one mesh owner there): each entry
+# must still be a circle, so the list cannot outlive the fix.
+KNOWN_CYCLES = [
+    {"lightning_parallel.layout", "lightning_parallel.layout.rows"},
+]
+
+
 def _package_graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports at module level (what runs on `import`)."""
+    """Module -> the package modules it imports anywhere: at module level, inside functions (they run on the first
+    call, and a circle through one is still a circle) and under ``if TYPE_CHECKING:``."""
     modules = {_module_name(path): path for path in _files(PACKAGE)}
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
-        for found in _imports(path):
-            if not found.module_level:
-                continue
+        for found in _all_imports(path):
             module, *imported = found.names
             # `from pkg import mod` imports pkg.mod; `from pkg import function` imports pkg
             targets = {t if t in modules else module for t in imported} or {module}
@@ -277,8 +304,23 @@ def _one_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 
 
 def test_no_import_cycles_between_package_modules():
+    """Functions' and ``TYPE_CHECKING`` imports count: the circle protocol.py -> parallel/adapter.py (inside a
+    function) and parallel/options <-> parallel/precision (an annotation) were both invisible to a test that
+    counted module-level imports only."""
     cycles = _cycles(_package_graph())
-    assert cycles == [], "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in cycles)
+    new = [cycle for cycle in cycles if set(cycle) not in KNOWN_CYCLES]
+    assert new == [], "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in new)
+    gone = [known for known in KNOWN_CYCLES if known not in [set(cycle) for cycle in cycles]]
+    assert gone == [], f"no longer circles, remove them from KNOWN_CYCLES: {gone}"
+
+
+def test_the_package_graph_counts_imports_inside_functions_and_for_type_checking():
+    graph = _package_graph()
+    # cli/train.py imports cli/launch.py inside its functions only; parallel/precision.py reads ParallelOptions
+    # under TYPE_CHECKING only: both edges are in the graph. The protocol imports nothing of the suite.
+    assert "lightning_parallel.cli.launch" in graph["lightning_parallel.cli.train"]
+    assert "lightning_parallel.parallel.options" in graph["lightning_parallel.parallel.precision"]
+    assert graph["lightning_parallel.protocol"] == set()
 
 
 def test_cycle_finder_reports_the_modules_of_a_cycle():
@@ -297,12 +339,16 @@ def test_few_top_level_modules():
 
 
 def test_no_module_over_the_line_limit():
-    offenders = []
+    offenders, stale = [], []
     for path in _files(PACKAGE):
-        lines = len(path.read_text().splitlines())
-        if lines > MAX_MODULE_LINES:
-            offenders.append(f"{path.relative_to(ROOT)}: {lines} lines")
+        lines, name = len(path.read_text().splitlines()), path.relative_to(ROOT).as_posix()
+        if lines > MAX_MODULE_LINES and name not in OVER_THE_LINE_LIMIT:
+            offenders.append(f"{name}: {lines} lines")
+        elif lines <= MAX_MODULE_LINES and name in OVER_THE_LINE_LIMIT:
+            stale.append(name)
+    stale += [name for name in OVER_THE_LINE_LIMIT if not (ROOT / name).exists()]
     assert offenders == [], f"modules over {MAX_MODULE_LINES} lines: " + "; ".join(offenders)
+    assert stale == [], f"under {MAX_MODULE_LINES} lines now (or gone), remove them from OVER_THE_LINE_LIMIT: {stale}"
 
 
 def test_no_function_over_the_line_limit():
