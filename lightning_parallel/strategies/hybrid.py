@@ -30,11 +30,10 @@ from lightning_parallel.adapters import ModelAdapter
 from lightning_parallel.checkpoints import optimizer_state_dict
 from lightning_parallel.fault_tolerance.options import FaultTolerance
 from lightning_parallel.fault_tolerance.replicas import ReplicaGroups
-from lightning_parallel.layout import EXPERT_DATA, PIPELINE_PARALLEL, ParallelLayout
+from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout
 from lightning_parallel.layout.meshes import RunMeshes
 from lightning_parallel.parallel.compose import BuildSettings, Parallelized, check_module, parallelize
 from lightning_parallel.parallel.data import deferred_gradient_sync
-from lightning_parallel.parallel.experts.sharded import reduce_expert_gradients
 from lightning_parallel.parallel.local_step import step_on_local_shards
 from lightning_parallel.parallel.materialize import Materialization
 from lightning_parallel.parallel.options import ParallelOptions, options_from
@@ -44,7 +43,6 @@ from lightning_parallel.parallel.pipeline.stages import PipelineSplit
 from lightning_parallel.parallel.precision import check_precision
 from lightning_parallel.strategies import executors
 from lightning_parallel.strategies.clipping import GlobalNormClipping
-from lightning_parallel.strategies.expert_load import report_first_step_load
 from lightning_parallel.strategies.hybrid_checkpoints import (
     checked_load_optimizer_state,
     load_strategy_checkpoint,
@@ -53,6 +51,7 @@ from lightning_parallel.strategies.hybrid_checkpoints import (
 from lightning_parallel.strategies.layer_timing import agreed_layer_times
 from lightning_parallel.strategies.reduction import ReduceWithoutBarrier
 from lightning_parallel.strategies.resolved_adapter import resolved_adapter
+from lightning_parallel.strategies.after_backward import AfterBackward, after_backward_steps
 from lightning_parallel.strategies.resolve import options_layout
 from lightning_parallel.strategies.resume_order import resumed_shuffle_notice
 from lightning_parallel.strategies.timeouts import CollectiveTimeout, names_timeouts
@@ -119,6 +118,7 @@ class HybridParallelStrategy(ReduceWithoutBarrier, ModelParallelStrategy):
         self._meshes: Optional[RunMeshes] = None  # every mesh and group of the run, asked by axis name
         self._parallelized_module: Optional[weakref.ref] = None
         self._executor: executors.DirectExecutor = executors.DirectExecutor()
+        self._after_backward: list[AfterBackward] = []
 
     # --- layout ----------------------------------------------------------------------
     def resolve_layout(
@@ -213,6 +213,7 @@ class HybridParallelStrategy(ReduceWithoutBarrier, ModelParallelStrategy):
             self.model_to_device()
         self._parallelize(self.lightning_module, trainer)
         self._executor = executors.choose_executor(self, self.parallelized)
+        self._after_backward = after_backward_steps(self.meshes, self.replica_groups)
         if self.parallelized.replicated is not None and trainer.state.fn == TrainerFn.FITTING:
             self.model = self.parallelized.replicated  # plain DDP: Lightning runs the steps through its forward
         if not isinstance(self.precision_plugin, GlobalNormClipping):
@@ -317,30 +318,21 @@ class HybridParallelStrategy(ReduceWithoutBarrier, ModelParallelStrategy):
     @override
     @names_timeouts("optimizer_step (global-norm clipping, non-finite check)")
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        # The data axis needs nothing here: FSDP2 reduced the gradients during the last backward. Experts sharded
-        # over the expert axis are left out of it: their gradients (the accumulation window's sum) are reduced
-        # over the expert-data group after the closure's backward, before clipping sees them; replica groups
-        # (fault tolerance) average after that, so clipping and the optimizer see the same gradient on every group.
-        experts = self._meshes.group(EXPERT_DATA) if self.layout.expert_parallel > 1 else None
-        replicas = self.replica_groups
-        if experts is None and replicas is None:
+        steps = self._after_backward  # strategies/after_backward.py: experts' reduction, replica commit
+        if not steps:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
-        def closure_then_reduce() -> Any:
-            result, module = closure(), self.lightning_module
-            if experts is not None:
-                reduce_expert_gradients(module, experts, self.layout.data_context)
-                report_first_step_load(module, experts, module.trainer.global_step)
-            if replicas is not None:
-                replicas.reduce_and_commit(module, _unwrap(optimizer))
+        def closure_then_steps() -> Any:
+            result = closure()
+            for step in steps:
+                step(self.lightning_module, _unwrap(optimizer))
             return result
 
-        if replicas is None:
-            return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
         try:
-            return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+            return super().optimizer_step(optimizer, closure_then_steps, model, **kwargs)
         finally:
-            replicas.after_step()
+            for step in steps:
+                step.after_step()
 
     @override
     def teardown(self) -> None:

@@ -1,0 +1,79 @@
+"""The work a hybrid step runs after its backward and before clipping and the optimizer: built once per run.
+
+Experts sharded over the expert axis are left out of the data axis's reduction: their gradients (the accumulation
+window's sum) are reduced over the expert-data group after the closure's backward, before clipping sees them, and the
+first step's expert load is reported then; replica groups (fault tolerance) average after that and commit, so
+clipping and the optimizer see the same gradient on every group. The data axis needs nothing here: FSDP2 or DDP
+reduced its gradients during the backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_parallel.layout import EXPERT_DATA
+from lightning_parallel.layout.meshes import RunMeshes
+from lightning_parallel.parallel.experts.sharded import reduce_expert_gradients
+from lightning_parallel.strategies.expert_load import report_first_step_load
+
+
+class AfterBackward:
+    """One piece of after-backward work: called with the module and the (unwrapped) optimizer once the step's
+    backward is done; :meth:`after_step` runs once the optimizer step has ended, however it ended."""
+
+    def __call__(self, module: nn.Module, optimizer: Optimizer) -> None:
+        raise NotImplementedError
+
+    def after_step(self) -> None:
+        """Nothing by default."""
+
+
+class ReduceExpertGradients(AfterBackward):
+    """The experts' gradients summed over the ranks holding the same experts; the first step's load reported.
+
+    Args:
+        group: the expert-data group.
+        data_context: data x context ranks (the gradients' divisor, as the data axis's average).
+    """
+
+    def __init__(self, group: Any, data_context: int) -> None:
+        self.group, self.data_context = group, data_context
+
+    def __call__(self, module: nn.Module, optimizer: Optimizer) -> None:
+        reduce_expert_gradients(module, self.group, self.data_context)
+        report_first_step_load(module, self.group, module.trainer.global_step)
+
+
+class CommitReplicas(AfterBackward):
+    """Fault tolerance: the gradient average across replica groups and the step's commit vote.
+
+    Args:
+        replicas: the run's :class:`~lightning_parallel.fault_tolerance.replicas.ReplicaGroups`.
+    """
+
+    def __init__(self, replicas: Any) -> None:
+        self.replicas = replicas
+
+    def __call__(self, module: nn.Module, optimizer: Optimizer) -> None:
+        self.replicas.reduce_and_commit(module, optimizer)
+
+    def after_step(self) -> None:
+        self.replicas.after_step()
+
+
+def after_backward_steps(meshes: RunMeshes, replicas: Optional[Any]) -> list[AfterBackward]:
+    """The run's after-backward work, in order (the module docstring); empty when a step needs none.
+
+    Args:
+        meshes: the run's meshes (its layout says whether experts are sharded).
+        replicas: the replica groups, or None without fault tolerance.
+    """
+    steps: list[AfterBackward] = []
+    if meshes.layout.expert_parallel > 1:
+        steps.append(ReduceExpertGradients(meshes.group(EXPERT_DATA), meshes.layout.data_context))
+    if replicas is not None:
+        steps.append(CommitReplicas(replicas))
+    return steps
