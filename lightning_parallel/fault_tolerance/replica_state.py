@@ -83,7 +83,7 @@ def _like(param: torch.Tensor, value: Any) -> Any:
 
 
 def state_functions(module: nn.Module, optimizers: Callable[[], list[Optimizer]], schedulers: Callable[[], list[Any]],
-                    position: Callable[[], dict[str, int]], on_load: Callable[[dict[str, int]], None],
+                    position: Callable[[], dict[str, Any]], on_load: Callable[[dict[str, Any]], None],
                     ) -> tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]:
     """``(state_dict, load_state_dict)`` for torchft's manager.
 
@@ -91,7 +91,8 @@ def state_functions(module: nn.Module, optimizers: Callable[[], list[Optimizer]]
         module: the trained module (this rank's share).
         optimizers: returns the torch optimizers (not Lightning's wrappers).
         schedulers: returns the LR schedulers.
-        position: returns ``{"epoch": e, "batch": b}``, the data position of the step being taken.
+        position: returns where the sender stands: ``{"epoch": e, "batch": b, "step": s}`` of the step being
+            taken, and ``"loop"``, its fit loop for a group healing at start-up (:mod:`.loop_state`).
         on_load: receives the sender's position after its state is loaded.
     """
 

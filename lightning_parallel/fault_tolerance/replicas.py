@@ -4,8 +4,9 @@ across replica groups, a vote before every optimizer step, and a healthy peer's 
 A step under ``strategy.fault_tolerance`` (mode ``ddp``):
 
 1. Before the first forward of the accumulation window: a quorum (synchronous). A group that is behind -- one
-   that restarted -- receives the current parameters, optimizer and scheduler state and data position from a
-   healthy peer here (torchft's HTTP transport, no checkpoint read) and takes part in this very step.
+   that restarted -- receives the current parameters, optimizer and scheduler state, data position and training
+   loop (:mod:`.loop_state`) from a healthy peer here (torchft's HTTP transport, no checkpoint read) and takes part
+   in this very step.
 2. After backward (and the expert and data-axis reductions inside the group): one all-reduce per gradient dtype
    across the groups of the quorum (torchft divides by the groups taking part), then the commit vote. A step that
    does not commit (a group died mid-step) leaves the parameters untouched on every group.
@@ -25,15 +26,15 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_parallel.fault_tolerance import loop_state
 from lightning_parallel.fault_tolerance.data_position import skip_batches
-from lightning_parallel.fault_tolerance.flat_buffers import flatten_by_dtype, pieces
+from lightning_parallel.fault_tolerance.gradient_average import average_gradients
 from lightning_parallel.fault_tolerance.lighthouse import check_reachable, require_torchft
 from lightning_parallel.fault_tolerance.local_sgd import average_parameters
 from lightning_parallel.fault_tolerance.options import FaultTolerance
-from lightning_parallel.fault_tolerance.replica_state import local, state_functions
+from lightning_parallel.fault_tolerance.replica_state import state_functions
 from lightning_parallel.scaling import lr_factor
 
 
@@ -58,8 +59,9 @@ class ReplicaGroups:
         self._need_quorum = True
         self._committed = True
         self._position = {"epoch": 0, "batch": 0, "step": 0}
+        self._loaders: Optional[dict[str, Any]] = None  # the loader position at the end of the last step
         self._local_sgd = options.mode == "local_sgd"
-        self._recovered: Optional[dict[str, int]] = None
+        self._recovered: Optional[dict[str, Any]] = None
         self._skip_batches = 0
         self._trainer: Any = None
         self._module: Any = None
@@ -102,7 +104,7 @@ class ReplicaGroups:
         self.process_group = pg  # reconfigured by the manager at every quorum change
         state_dict, load_state_dict = state_functions(
             strategy.lightning_module, lambda: optimizers, lambda: [c.scheduler for c in trainer.lr_scheduler_configs],
-            lambda: self._position, self._on_recovered)
+            self._position_for_peer, self._on_recovered)
         if strategy.world_size > 1:  # monitored_barrier is gloo's: a CPU group for it when the group trains on NCCL
             dist, cuda = torch.distributed, strategy.root_device.type == "cuda"
             self._liveness_group = dist.new_group(backend="gloo") if cuda else dist.group.WORLD
@@ -175,27 +177,31 @@ class ReplicaGroups:
         return self._committed
 
     def after_step(self) -> None:
-        """Restore the planned learning rate (LR schedulers and checkpoints see it) and make Lightning's step
-        counter follow the committed steps (it adds one after this returns)."""
+        """Restore the planned learning rate (LR schedulers and checkpoints see it), note where the training loader
+        stands (a group healing at the next quorum continues from there) and make Lightning's step counter follow
+        the committed steps (it adds one after this returns)."""
         if self._planned_lr is not None:
             optimizer, planned = self._planned_lr
             for group, lr in zip(optimizer.param_groups, planned):
                 group["lr"] = lr
             self._planned_lr = None
         self._need_quorum = True
+        self._loaders = loop_state.loader_position(self._trainer)  # before the next batch is drawn
         if self._local_sgd:
             self._after_local_step()
             return
-        set_global_step(self._trainer, self.manager.current_step() - 1)
+        loop_state.set_global_step(self._trainer, self.manager.current_step() - 1, counting=True)
 
     def _after_local_step(self) -> None:
         """``local_sgd``: every ``sync_every`` steps a quorum and the parameter average (a restarted group that
         waits at start-up joins here). The position a healing group takes is the next step's."""
-        step = int(self._trainer.global_step) + 1  # Lightning counts this step after we return
+        trainer = self._trainer
+        step = int(trainer.global_step) + 1  # Lightning counts this step after we return
         if step % self.options.sync_every:
             return
-        self._position = {"epoch": int(self._trainer.current_epoch), "batch": self._position["batch"] + 1,
-                          "step": step}
+        last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch  # the next batch opens the next epoch
+        epoch, batch = int(trainer.current_epoch), self._position["batch"] + 1
+        self._position = {"epoch": epoch + 1 if last else epoch, "batch": 0 if last else batch, "step": step}
         self._quorum()
         self._sync_parameters(contributes=True)
 
@@ -282,66 +288,34 @@ class ReplicaGroups:
                       f"for the others (fault_tolerance.startup_wait); they join when they come")
         return participants
 
-    def _on_recovered(self, position: dict[str, int]) -> None:
+    def _position_for_peer(self) -> dict[str, Any]:
+        """What a healing peer receives besides the weights (torchft's quorum thread calls it while this rank's
+        main thread waits for the quorum): the data position and this group's fit loop (:mod:`.loop_state`)."""
+        loop = None
+        if self._trainer is not None and self._started:
+            loop = loop_state.resume_state(self._trainer, batch_done=self._local_sgd, loaders=self._loaders)
+        return {**self._position, "loop": loop}
+
+    def _on_recovered(self, position: dict[str, Any]) -> None:
         self._recovered = dict(position)  # applied by _quorum on the main thread, after the state is loaded
 
-    def _heal_loop_state(self, position: dict[str, int], seconds: float) -> None:
+    def _heal_loop_state(self, position: dict[str, Any], seconds: float) -> None:
         trainer, step = self._trainer, int(position.get("step", self.manager.current_step()))
-        # local_sgd heals inside a step's end, before Lightning counts that step
-        set_global_step(trainer, step - 1 if self._started and self._local_sgd else step)
-        if self._started:  # a group that fell behind mid-run: its loader is already running and continues
+        if self._started:  # a group that fell behind mid-run: its loop and loader ran the same batches; go on
+            # local_sgd heals inside a step's end, before Lightning counts that step
+            loop_state.set_global_step(trainer, step - 1 if self._local_sgd else step, counting=self._local_sgd)
             where = "this group's data position continues"
-        else:  # at start-up the loader does not exist yet: it starts where the healthy groups are
-            set_epoch(trainer, position["epoch"])
-            self._skip_batches = position["batch"]
-            where = f"data from epoch {position['epoch']}, batch {position['batch']}"
+        else:  # before the fit loop runs: the loop continues the sender's counters, the loader where it is
+            loop = position.get("loop")
+            positioned = loop is not None and loop_state.restore(trainer, loop)
+            loop_state.set_global_step(trainer, step)
+            epoch, batch = loop_state.next_batch(loop) if loop is not None else (0, 0)
+            self._skip_batches = 0 if positioned else batch
+            where = f"data from epoch {epoch}, batch {batch}"
         self._say(f"recovered step {step} from a healthy replica group in {seconds:.2f} s ({where})")
 
     def _say(self, message: str) -> None:
         rank_zero_info(f"lightning_parallel: [replica group {self.resolved.replica_id}] {message}")
-
-
-def average_gradients(manager: Any, params: list[torch.Tensor]) -> None:
-    """One torchft all-reduce (average over the groups taking part) per gradient dtype, in parameter order.
-
-    Every group flattens the same parameters in the same order; a parameter without a gradient sends zeros and a
-    presence flag, so a gradient absent on one group but present on another (or on a group that sends zeros while
-    it heals) is rebuilt, and one absent everywhere stays ``None`` as the optimizer expects.
-    """
-    grads = [local(p.grad) if p.grad is not None else None for p in params]
-    filled = [g if g is not None else torch.zeros_like(local(p.data)) for p, g in zip(params, grads)]
-    device = filled[0].device if filled else torch.device("cpu")
-    present = torch.tensor([0.0 if g is None else 1.0 for g in grads], device=device)
-    buffers = flatten_by_dtype(filled)
-    for work in [manager.allreduce(present)] + [manager.allreduce(flat) for _, flat in buffers.values()]:
-        work.wait()
-    for idx, flat in buffers.values():
-        for i, chunk in zip(idx, pieces(flat, [filled[i] for i in idx])):
-            if present[i] == 0:
-                params[i].grad = None
-            elif grads[i] is not None:
-                grads[i].copy_(chunk)
-            else:
-                params[i].grad = _grad_like(params[i], chunk)
-
-
-def _grad_like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    if isinstance(param, DTensor):
-        return DTensor.from_local(value.clone(), param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
-    return value.clone()
-
-
-def set_global_step(trainer: Any, step: int) -> None:
-    """Set Lightning's optimizer-step count (what ``trainer.global_step`` reads and ``max_steps`` checks)."""
-    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
-    progress.ready = progress.completed = max(step, 0)
-
-
-def set_epoch(trainer: Any, epoch: int) -> None:
-    """Set Lightning's epoch counters before the fit loop starts (a group rejoining in a later epoch)."""
-    for counter in (trainer.fit_loop.epoch_progress.total, trainer.fit_loop.epoch_progress.current):
-        counter.ready = counter.started = counter.processed = counter.completed = epoch
 
 
 def ft_environment(replica_id: int, replicas: int, lighthouse: str) -> dict[str, str]:

@@ -1,7 +1,16 @@
 """``lp-train`` with ``strategy.fault_tolerance`` on one node: it starts a lighthouse and two replica groups (one
 process each: the layouts inside a group are tests/distributed/fault_tolerance's), one group's rank is killed at
 step 4, lp-train restarts that group, it heals from the other, and the command ends with exit 0 and both groups'
-results."""
+results.
+
+The groups must also end alike, as a user compares them: ``last.ckpt`` of both at the same committed step, epoch and
+loop position with bit-identical weights and optimizer state, and the restarted group's TensorBoard steps going on
+from the step it rejoined at. Before the fix the restarted group counted its batches from 0 after the heal: it
+validated -- and so wrote ``last.ckpt`` -- at other steps than the healthy group (an 800-step run ended at steps 800
+and 799, weights one AdamW step apart) and logged from step 0. The run crosses an epoch end after the heal (18
+batches per group and epoch) and validates every 3 steps; ``tests/unit/fault_tolerance/test_loop_state.py`` holds
+the negative control (the heal as it was counts from where it rejoined).
+"""
 
 import json
 import os
@@ -11,14 +20,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow
 
-RUN = ["model=gpt_tiny", "trainer=cpu_test", "data.seq_len=32", "data.batch_size=4", "data.max_bytes=200000",
+STEPS = 20
+RUN = ["model=gpt_tiny", "trainer=cpu_test", "data.seq_len=32", "data.batch_size=4", "data.max_bytes=4000",
        "trainer.enable_progress_bar=false", "strategy=hybrid", "strategy.pipeline_parallel_size=1",
-       "strategy.tensor_parallel_size=1", "trainer.devices=2", "trainer.max_steps=12", "trainer.max_epochs=-1",
-       "logger=none",
+       "strategy.tensor_parallel_size=1", "trainer.devices=2", f"trainer.max_steps={STEPS}", "trainer.max_epochs=-1",
+       "callbacks.evaluation=null",
        "+strategy.fault_tolerance.replicas=2", "+strategy.fault_tolerance.timeout=20",
        "+callbacks.faults._target_=lightning_parallel.testing.faults.FaultInjection",
        "+callbacks.faults.fail_at=[1:0:4]",
@@ -36,7 +47,41 @@ def test_lp_train_restarts_a_lost_replica_group_which_heals_from_the_other(tmp_p
     assert "replica group 1 exited with code" in output and "restarting it (1/3)" in output
     # The restarted group heals from group 0 mid-run (every group heals at step 0 too: that line says step 0)
     healed = [int(step) for step in re.findall(r"\[replica group 1\] recovered step (\d+)", output)]
-    assert any(step > 4 for step in healed), (healed, output[-6000:])
-    for folder in ("group0", "group1-restart1"):  # the restarted group runs in a folder of its own
-        summary = json.loads((tmp_path / folder / "metrics.json").read_text())
-        assert summary, folder
+    rejoined = max(healed)
+    assert rejoined > 4, (healed, output[-6000:])
+    healthy, restarted = tmp_path / "group0", tmp_path / "group1-restart1"  # the restart runs in a folder of its own
+    for folder in (healthy, restarted):
+        assert json.loads((folder / "metrics.json").read_text()), folder
+    _same_end(healthy / "checkpoints" / "last.ckpt", restarted / "checkpoints" / "last.ckpt")
+    logged = _logged_steps(healthy)
+    assert logged == list(range(STEPS))
+    assert _logged_steps(restarted) == logged[rejoined:]  # from the step it rejoined at, not from 0
+
+
+def _same_end(healthy: Path, restarted: Path) -> None:
+    """Both groups' checkpoints claim the same place and hold the same weights and optimizer state, bit for bit."""
+    from lightning_parallel.checkpoints.detect import read_lightning_checkpoint
+
+    a, b = read_lightning_checkpoint(healthy), read_lightning_checkpoint(restarted)
+    assert (a["global_step"], a["epoch"]) == (b["global_step"], b["epoch"]) == (STEPS, 1)
+    assert a["loops"] == b["loops"]  # batch of the epoch, batches in all, logged steps, the loader's position
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    gap = max(float((a["state_dict"][k] - b["state_dict"][k]).abs().max()) for k in a["state_dict"])
+    assert gap == 0.0, gap
+    for mine, theirs in zip(a["optimizer_states"], b["optimizer_states"], strict=True):
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[k], theirs[k]) if torch.is_tensor(mine[k]) else mine[k] == theirs[k]
+                   for k in mine)
+
+
+def _logged_steps(run: Path) -> list[int]:
+    """The steps of every ``train_loss`` the run wrote to TensorBoard, in order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps: list[int] = []
+    for events in sorted((run / "tensorboard").glob("events.out.tfevents.*")):
+        reader = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        reader.Reload()
+        steps += [event.step for event in reader.Scalars("train_loss")] if "train_loss" in reader.Tags()["scalars"] \
+            else []
+    return steps

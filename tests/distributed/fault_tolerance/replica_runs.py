@@ -83,7 +83,8 @@ def replica_rank(rank: int, world_size: int, layout: str, steps: int, faults: tu
     trainer.fit(model, datamodule=FixedOrderData(regression_dataset(SAMPLES, WIDTH), BATCH))
     return {"local": module_state(model), "full": full_state(model), "records": recorder.records,
             "incarnation": incarnation(), "group": int(os.environ["REPLICA_GROUP_ID"]),
-            "global_step": trainer.global_step, "failed_commits": strategy.replica_groups.failed_commits}
+            "global_step": trainer.global_step, "failed_commits": strategy.replica_groups.failed_commits,
+            "loop": trainer.fit_loop.state_dict(), "epoch": trainer.current_epoch}
 
 
 def slow_healing_replica_rank(rank: int, world_size: int, *args: Any, heal_delay: float = 2.0,

@@ -46,7 +46,10 @@ def _check_against_reference(result, steps: int, folder: Path) -> tuple[float, f
 
 
 def _groups_equal_bit_for_bit(result) -> None:
+    """Same weights, and the same place in the run: what every checkpoint either group writes now claims (committed
+    steps, epoch, batch of the epoch, batches in all, logged steps, the loader's position)."""
     for a, b in zip(result.outputs[0], result.outputs[1]):
+        assert (a["global_step"], a["epoch"], a["loop"]) == (b["global_step"], b["epoch"], b["loop"])
         assert a["local"].keys() == b["local"].keys()
         for name in a["local"]:
             assert torch.equal(a["local"][name], b["local"][name]), name
