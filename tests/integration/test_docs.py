@@ -118,3 +118,20 @@ def test_every_repository_path_the_docs_name_exists():
             if path not in installed_only and not (ROOT / path).exists():
                 missing.append(f"{page.relative_to(ROOT)}: {path}")
     assert missing == []
+
+
+# A sentence that promises equal results across a resume, a load or a conversion.
+PROMISE = re.compile(r"uninterrupted|bit-identical|round[- ]trip|resum\w*[^.]{0,120}(same|equal|exact)"
+                     r"|(same|equal)[^.]{0,80}after (a |the )?(resume|load|conversion)", re.IGNORECASE)
+
+
+def test_every_promise_of_equal_results_after_a_resume_load_or_conversion_names_its_test():
+    """Each paragraph, list item or table row of the README and docs/ that promises the same losses or weights after a
+    resume, a load or a conversion names the test that holds it (`tests/...py`, which exists)."""
+    unheld = []
+    for page in [README, *sorted((ROOT / "docs").rglob("*.md"))]:
+        for part in re.split(r"\n\s*\n|\n- |\n\* |\n\| ", page.read_text()):
+            tests = re.findall(r"tests/[\w/]+\.py", part)
+            if PROMISE.search(part) and (not tests or not all((ROOT / t).is_file() for t in tests)):
+                unheld.append(f"{page.relative_to(ROOT)}: {part.strip()[:160]!r}")
+    assert unheld == [], "\n".join(unheld)
