@@ -11,6 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from lightning_parallel.cli.run_start import job_label
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.scaling import EffectiveHparams, Reference, rescale_for_layout
 
@@ -72,17 +73,14 @@ def reproduce_overrides(effective: EffectiveHparams) -> list[str]:
 
 
 def _job_info() -> dict[str, Any]:
-    """The Hydra choices and overrides of this job (empty outside a Hydra app)."""
+    """:func:`~lightning_parallel.cli.run_start.job_label` of this job, its overrides as the one string Hydra names
+    the job by (``override_dirname``: what ``metrics.json`` and the sweep summary show); empty outside a Hydra app."""
+    label = job_label()
+    if not label:
+        return {}
     from hydra.core.hydra_config import HydraConfig
 
-    if not HydraConfig.initialized():
-        return {}
-    hydra_cfg = HydraConfig.get()
-    return {
-        "strategy": hydra_cfg.runtime.choices.get("strategy"),
-        "experiment": hydra_cfg.runtime.choices.get("experiment"),
-        "overrides": hydra_cfg.job.override_dirname,
-    }
+    return {**label, "overrides": HydraConfig.get().job.override_dirname}
 
 
 def run_summary(cfg: DictConfig, strategy: Any, layout: ParallelLayout, effective: EffectiveHparams) -> dict[str, Any]:
