@@ -36,12 +36,19 @@ from lightning_parallel.checkpoints.deepspeed.folder import is_deepspeed_folder
 from lightning_parallel.checkpoints.lightning.reader import (
     MODEL_KEYS,
     NESTED_GROUP_KEY,
+    ORDER_KEY,
     flatten_nested_groups,
     load_single_file,
     nested_param_groups,
+    optimizer_group_names,
     single_file_entries,
 )
-from lightning_parallel.checkpoints.safe_loading import SafeFileSystemReader, SafeLoadPlanner, load_plain
+from lightning_parallel.checkpoints.safe_loading import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    load_plain,
+    plain_containers,
+)
 
 PathLike = Union[str, os.PathLike]
 WRITERS = ("suite-dcp", "lightning-single-file", "lightning-dcp", "deepspeed", "unknown")
@@ -140,8 +147,8 @@ def unreadable_checkpoint_error(path: PathLike, reader: str = "lightning_paralle
     return ValueError(f"{reader} cannot resume from {str(path)!r}: it looks like {description} ({writer}).")
 
 
-def _read_dcp_folder(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Every entry of a DCP folder in full, by DCP key (one process), and its ``meta.pt``."""
+def _read_dcp_folder(path: Path, optimizer_state: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every entry of a DCP folder in full, by DCP key (one process; the optimizer's only if asked), and ``meta.pt``."""
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -153,18 +160,19 @@ def _read_dcp_folder(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             else None
         )
         for key, item in stored.items()
+        if optimizer_state or not key.startswith("optimizer_")
     }
     with single_process():
         load(entries, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=True)
     return entries, load_plain(path / METADATA_FILE)
 
 
-def _dcp_as_checkpoint(path: Path) -> dict[str, Any]:
-    entries, checkpoint = _read_dcp_folder(path)
+def _dcp_as_checkpoint(path: Path, optimizer_state: bool) -> dict[str, Any]:
+    entries, checkpoint = _read_dcp_folder(path, optimizer_state)
     model_key = next((k for k in MODEL_KEYS if any(e.startswith(f"{k}.") for e in entries)), MODEL_KEYS[0])
     checkpoint["state_dict"] = {k[len(model_key) + 1 :]: v for k, v in entries.items() if k.startswith(f"{model_key}.")}
     optimizers = sorted({k.split(".", 1)[0] for k in entries if k.startswith("optimizer_")}, key=lambda k: int(k[10:]))
-    checkpoint["optimizer_states"] = []
+    checkpoint["optimizer_states"], order = [], []
     for key in optimizers:
         flat = {
             k[len(key) + 1 :]: v
@@ -173,27 +181,55 @@ def _dcp_as_checkpoint(path: Path) -> dict[str, Any]:
         }
         groups = nested_param_groups(entries, key)
         checkpoint["optimizer_states"].append({**flat, **(flatten_nested_groups(groups) if groups else {})})
+        order.append([list(group["params"]) for group in groups or ()])
+    if optimizers and all(order):  # Lightning's nested groups name their parameters in order
+        _record_order(checkpoint, order)
     return checkpoint
 
 
+def _record_order(checkpoint: dict[str, Any], order: list[list[list[str]]]) -> None:
+    """Keep the param groups' names where the suite records them, so a DCP folder written from this converts on."""
+    checkpoint["lightning_parallel"] = {**(checkpoint.get("lightning_parallel") or {}), ORDER_KEY: order}
+
+
+def _single_file_as_checkpoint(
+    path: Path, group_names: Optional[Sequence[Sequence[Sequence[str]]]], weights_only: Optional[bool],
+    optimizer_state: bool,
+) -> dict[str, Any]:
+    checkpoint = load_single_file(path, weights_only)
+    if not optimizer_state:
+        checkpoint.pop("optimizer_states", None)
+        return checkpoint
+    order = optimizer_group_names(checkpoint, group_names)
+    if order:
+        _record_order(checkpoint, order)
+    return single_file_entries(checkpoint, order)
+
+
 def read_lightning_checkpoint(
-    path: PathLike, group_names: Optional[Sequence[Sequence[Sequence[str]]]] = None, weights_only: Optional[bool] = None
+    path: PathLike,
+    group_names: Optional[Sequence[Sequence[Sequence[str]]]] = None,
+    weights_only: Optional[bool] = None,
+    optimizer_state: bool = True,
 ) -> dict[str, Any]:
     """A Lightning checkpoint as one full (unsharded) Lightning checkpoint dict on this process.
 
     Args:
         path: a single-file Lightning checkpoint, or a Lightning (or suite) DCP folder.
         group_names: single files only: per optimizer, the parameter names of each param group
-            in the order the optimizer was built. Default: ``configure_optimizers`` used
-            ``self.parameters()`` (checked against the state's shapes; refused when unclear).
+            in the order the optimizer was built. Default: inferred from the weights' order and
+            the state's shapes (refused when more than one assignment fits).
         weights_only: single files only; ``False`` unpickles any object (trusted files only).
+        optimizer_state: ``False`` reads no optimizer state (nothing to match: weights-only targets).
 
     Returns:
         ``"state_dict"``: full tensors under the LightningModule's parameter names (memory-mapped
         for a single file); ``"optimizer_states"``: per optimizer, the suite's flattened DCP keys
         (``"state.<name>.exp_avg"``, ``"param_groups.<name>.lr"``, ...; see
-        :func:`~lightning_parallel.checkpoints.dcp.optimizer_state_dict`); every other Lightning
-        entry (loops, callbacks, lr_schedulers, hyper_parameters, ...) untouched.
+        :func:`~lightning_parallel.checkpoints.dcp.optimizer_state_dict`), and the names of each
+        param group in ``checkpoint["lightning_parallel"]["param_groups"]`` where known; every
+        other Lightning entry (loops, callbacks, lr_schedulers, ...) as saved, OmegaConf
+        hyper-parameters as plain dicts and lists.
 
     Raises:
         CheckpointRefused: a truncated file or one holding objects beyond tensors and plain values.
@@ -202,7 +238,9 @@ def read_lightning_checkpoint(
     """
     writer = identify_writer(path)
     if writer == "lightning-single-file":
-        return single_file_entries(load_single_file(Path(path), weights_only), group_names)
-    if writer in ("lightning-dcp", "suite-dcp"):
-        return _dcp_as_checkpoint(resolve_checkpoint(Path(path)))
-    raise unreadable_checkpoint_error(path, reader="read_lightning_checkpoint")
+        checkpoint = _single_file_as_checkpoint(Path(path), group_names, weights_only, optimizer_state)
+    elif writer in ("lightning-dcp", "suite-dcp"):
+        checkpoint = _dcp_as_checkpoint(resolve_checkpoint(Path(path)), optimizer_state)
+    else:
+        raise unreadable_checkpoint_error(path, reader="read_lightning_checkpoint")
+    return {key: value if key == "state_dict" else plain_containers(value) for key, value in checkpoint.items()}

@@ -6,12 +6,24 @@ run any code planted in them. The reader and planner here replace exactly those 
 ``.metadata`` goes through an allow-list of DCP's own classes, torch sizes/dtypes and plain
 containers, and byte entries through ``torch.load(weights_only=True)``. Anything else is
 refused with :class:`CheckpointRefused`.
+
+Lightning stores a module's hyper-parameters as ``save_hyperparameters`` kept them: under Hydra
+(``lp-train``) nested arguments arrive as OmegaConf ``DictConfig``/``ListConfig``, so every
+``torch.load(weights_only=True)`` here runs inside :func:`safe_globals`, which admits exactly
+OmegaConf's container, node and metadata classes (and the types they record) -- never a class of the
+user's own (a structured config's dataclass, an enum value) nor anything with a ``__reduce__`` payload.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import io
+import pathlib
 import pickle
+import typing
+from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -94,6 +106,61 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             state_dict[read_item.dest_index.fqn] = loaded
 
 
+def _omegaconf_globals() -> list[Any]:
+    """The classes a pickled OmegaConf container refers to (found by loading Hydra-written checkpoints).
+
+    Note:
+        Containers and nodes are rebuilt by ``__setstate__``, which only stores the given state; the
+        types (``int``, ``dict``, ``typing.Any``, ...) appear as the ``ref_type``/``object_type``/
+        ``key_type``/``element_type`` of their metadata; ``defaultdict(dict)`` is the resolver cache;
+        paths are ``PathNode`` values. Each is harmless to construct, whatever its arguments.
+    """
+    from omegaconf import DictConfig, ListConfig
+    from omegaconf.base import ContainerMetadata, Metadata
+    from omegaconf.nodes import AnyNode, BooleanNode, BytesNode, EnumNode, FloatNode, IntegerNode, PathNode, StringNode
+
+    omegaconf = [DictConfig, ListConfig, ContainerMetadata, Metadata, AnyNode, BooleanNode, BytesNode, EnumNode,
+                 FloatNode, IntegerNode, PathNode, StringNode]
+    types = [dict, list, tuple, int, float, bool, str, bytes, typing.Any, defaultdict]
+    paths = [pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath]
+    return omegaconf + types + paths
+
+
+@contextlib.contextmanager
+def safe_globals() -> Iterator[None]:
+    """``torch.load(weights_only=True)`` inside it also accepts OmegaConf containers (Hydra hyper-parameters)."""
+    with torch.serialization.safe_globals(_omegaconf_globals()):
+        yield
+
+
+def plain_containers(value: Any) -> Any:
+    """``value`` with every OmegaConf container inside turned into dicts and lists, interpolations unresolved.
+
+    A file written from it loads with a plain ``torch.load(weights_only=True)`` (Lightning's own
+    ``fit(ckpt_path=...)`` on torch >= 2.6) without :func:`safe_globals`, unless a value is a path.
+
+    Note:
+        Not resolved: a checkpoint is data, and resolving would run resolvers (``oc.env`` reads the
+        environment) on what the file says. Hydra resolves the values it hands a module's ``__init__``,
+        so hyper-parameters hold no interpolations in practice. The container classes themselves
+        (Lightning's ``hparams_type`` when ``save_hyperparameters(cfg)`` kept a ``DictConfig``) become
+        their names, which ``load_from_checkpoint`` reads as its ``AttributeDict``.
+    """
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if value is DictConfig or value is ListConfig:
+        return value.__name__
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=False)
+    if isinstance(value, dict):
+        plain = copy.copy(value)  # an OrderedDict or Lightning's AttributeDict stays what it was
+        plain.update((key, plain_containers(item)) for key, item in value.items())
+        return plain
+    if type(value) in (list, tuple):
+        return type(value)(plain_containers(item) for item in value)
+    return value
+
+
 def load_plain(file: Any, weights_only: bool = True) -> Any:
     """``torch.load`` of a file that must hold only tensors and plain values (``meta.pt``).
 
@@ -105,6 +172,7 @@ def load_plain(file: Any, weights_only: bool = True) -> Any:
         CheckpointRefused: the file holds other objects (tampered or foreign).
     """
     try:
-        return torch.load(file, weights_only=weights_only)
+        with safe_globals():
+            return torch.load(file, weights_only=weights_only)
     except pickle.UnpicklingError as error:
         raise CheckpointRefused(f"Refusing {file}: it holds more than tensors and plain values ({error}).") from None

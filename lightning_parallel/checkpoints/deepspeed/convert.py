@@ -1,7 +1,7 @@
-"""A DeepSpeed checkpoint folder converted: to one plain ``state_dict`` file, or to the suite's DCP folder.
+"""A DeepSpeed checkpoint folder converted: to one plain ``state_dict`` file, the suite's DCP folder, a Lightning file.
 
-Both conversions run on one process with no process group (``lp-convert ZERO_DIR OUT.pt``,
-``lp-convert ZERO_DIR OUT.ckpt``):
+Every conversion runs on one process with no process group (``lp-convert ZERO_DIR OUT.pt``,
+``lp-convert ZERO_DIR OUT.ckpt``, ``lp-convert ZERO_DIR x.ckpt --to lightning``):
 
 - :func:`convert_checkpoint` writes the weights as one ``torch.save`` file (loads with
   ``model.load_state_dict(torch.load(file))`` anywhere, without DeepSpeed).
@@ -10,6 +10,8 @@ Both conversions run on one process with no process group (``lp-convert ZERO_DIR
   ``Trainer(strategy=HybridParallelStrategy(...)).fit(model, ckpt_path=OUT)`` (or
   ``pipeline_parallel``/``tensor_parallel``, any world size) *resumes* the DeepSpeed run:
   same losses as if it had continued under DeepSpeed.
+- :func:`as_lightning_checkpoint` gives what ``trainer.save_checkpoint`` writes under Lightning's
+  single-device and DDP strategies, which resume it with ``fit(ckpt_path=...)``.
 
 Reading needs DeepSpeed installed and unpickles its files with ``weights_only=False``
 (they hold DeepSpeed objects): convert only checkpoints you trust. The outputs do not need
@@ -18,8 +20,9 @@ DeepSpeed, and the DCP folder is read by the suite's allow-listed loader.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -34,7 +37,11 @@ from lightning_parallel.checkpoints.deepspeed.folder import (
     resolve_folder,
 )
 from lightning_parallel.checkpoints.deepspeed.optimizer import consolidate_optimizer_state
+from lightning_parallel.checkpoints.lightning.groups import PositionsUnknown
+from lightning_parallel.checkpoints.lightning.reader import ORDER_KEY, flatten_optimizer_state
+from lightning_parallel.checkpoints.lightning.writer import index_keyed_optimizer_state, recorded_entry
 from lightning_parallel.checkpoints.pt import write_state_dict
+from lightning_parallel.checkpoints.safe_loading import plain_containers
 
 
 def _child(module: nn.Module, name: str) -> nn.Module:
@@ -93,8 +100,14 @@ def _fresh(optimizer_state: dict[str, Any]) -> dict[str, Any]:
     return {"state": zeroed, "param_groups": optimizer_state["param_groups"]}
 
 
-def _source_entry(model_state: dict[str, Any], optimizer_state: bool) -> dict[str, Any]:
-    """The ``lightning_parallel`` entry of ``meta.pt``: the fields the suite's strategies write, plus the source."""
+def _source_entry(
+    model_state: dict[str, Any], optimizer_state: bool, groups: Optional[list[list[str]]]
+) -> dict[str, Any]:
+    """The ``lightning_parallel`` entry of ``meta.pt``: the fields the suite's strategies write, plus the source.
+
+    ``groups`` (the names of each param group, in order) is recorded as the strategies record it, so
+    the folder converts on to a Lightning file (``lp-convert OUT x.ckpt --to lightning``).
+    """
     stage = int((model_state.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0))
     source = f"deepspeed {model_state.get('ds_version', '?')} ZeRO-{stage}"
     return {
@@ -102,11 +115,16 @@ def _source_entry(model_state: dict[str, Any], optimizer_state: bool) -> dict[st
         "zero_stage": stage,
         "schedule": None,
         "source": source if optimizer_state else f"{source}, optimizer reset",
+        ORDER_KEY: None if groups is None else [groups],
     }
 
 
 def convert_to_dcp(
-    checkpoint_dir: PathLike, output_dir: PathLike, tag: str | None = None, optimizer_state: bool = True
+    checkpoint_dir: PathLike,
+    output_dir: PathLike,
+    tag: str | None = None,
+    optimizer_state: bool = True,
+    group_names: Optional[Sequence[Sequence[str]]] = None,
 ) -> Path:
     """Write a DeepSpeed checkpoint as the suite's DCP folder, so another layout resumes the run.
 
@@ -122,7 +140,9 @@ def convert_to_dcp(
         output_dir: the folder to write (e.g. ``converted.ckpt``); an existing one is replaced.
         tag: the tag to read; default: the one named in ``latest``.
         optimizer_state: carry the optimizer state over (default). ``False`` writes the same
-            keys zeroed (step 0), so the resumed run restarts the optimizer as a new one would.
+            keys zeroed (step 0), so the resumed run restarts the optimizer as a new one would
+            (none at all where ZeRO-0 positions cannot be named).
+        group_names: ZeRO stage 0 only: the names of each param group (see ``consolidate_optimizer_state``).
 
     Returns:
         The folder written.
@@ -138,11 +158,63 @@ def convert_to_dcp(
     top, tag = resolve_folder(checkpoint_dir, tag)
     model_state = load_trusted(first_model_states(top / tag))
     metadata = lightning_entries(model_state, top / tag)
-    metadata["lightning_parallel"] = _source_entry(model_state, optimizer_state)
     weights = consolidate_state_dict(top, tag)
-    gathered = consolidate_optimizer_state(top, tag)
-    optimizer = _flattened_optimizer_state(weights, gathered if optimizer_state else _fresh(gathered))
-    return save_on_one_process(Path(output_dir), {"state_dict": weights, "optimizer_0": optimizer}, metadata)
+    gathered = _named_optimizer_state(top, tag, group_names, optimizer_state)
+    groups = None if gathered is None else [list(group["params"]) for group in gathered["param_groups"]]
+    metadata["lightning_parallel"] = _source_entry(model_state, optimizer_state, groups)
+    state = {"state_dict": weights}
+    if gathered is not None:
+        state["optimizer_0"] = _flattened_optimizer_state(weights, gathered if optimizer_state else _fresh(gathered))
+    return save_on_one_process(Path(output_dir), state, metadata)
+
+
+def _named_optimizer_state(
+    top: Path, tag: str, group_names: Optional[Sequence[Sequence[str]]], optimizer_state: bool
+) -> Optional[dict[str, Any]]:
+    """:func:`consolidate_optimizer_state`, or None where no state is asked for and ZeRO-0 positions have no names
+    (without names there are no keys to zero: the state is left out, as for a Lightning source)."""
+    try:
+        return consolidate_optimizer_state(top, tag, group_names)
+    except PositionsUnknown:
+        if optimizer_state:
+            raise
+        return None
+
+
+def as_lightning_checkpoint(
+    checkpoint_dir: PathLike,
+    tag: str | None = None,
+    optimizer_state: bool = True,
+    group_names: Optional[Sequence[Sequence[str]]] = None,
+) -> dict[str, Any]:
+    """A DeepSpeed checkpoint as the dict Lightning's single-device and DDP strategies write (save_checkpoint).
+
+    Weights in full, Lightning's own entries (loops, callbacks, schedulers, hyper-parameters as plain
+    containers) and, unless ``optimizer_state`` is False, the optimizer state keyed by position in
+    ``configure_optimizers`` order: DeepSpeed records the parameters of each param group by name in
+    that order (ZeRO 1-3), ZeRO 0 by position (named as in :func:`consolidate_optimizer_state`).
+
+    Args:
+        checkpoint_dir: the folder written by ``trainer.save_checkpoint`` (or its tag folder).
+        tag: the tag to read; default: the one named in ``latest``.
+        optimizer_state: ``False`` leaves ``optimizer_states`` out (weights and training state only).
+        group_names: ZeRO stage 0 only: the names of each param group.
+
+    Raises:
+        ValueError: not a DeepSpeed checkpoint written by Lightning, or optimizer state that cannot be
+            re-split per parameter or named.
+    """
+    top, tag = resolve_folder(checkpoint_dir, tag)
+    metadata = lightning_entries(load_trusted(first_model_states(top / tag)), top / tag)
+    result = {key: plain_containers(value) for key, value in metadata.items() if key != "lightning_parallel"}
+    result["state_dict"] = consolidate_state_dict(top, tag)
+    if optimizer_state:
+        named = consolidate_optimizer_state(top, tag, group_names)
+        groups = [list(group["params"]) for group in named["param_groups"]]
+        state = index_keyed_optimizer_state(flatten_optimizer_state(named), groups, "optimizer_0")
+        result["optimizer_states"] = [state]
+        result["lightning_parallel"] = recorded_entry([groups])
+    return result
 
 
 def convert_checkpoint(checkpoint_dir: PathLike, output_file: PathLike, tag: str | None = None) -> Path:

@@ -126,9 +126,14 @@ def consolidate_state_dict(checkpoint_dir: PathLike, tag: str | None = None) -> 
         ZeRO 1-3 keep the fp32 master weights in per-rank optimizer shards, which
         ``deepspeed.utils.zero_to_fp32`` knows how to stitch together (any world size).
         ZeRO stage 0 writes no shards: its full weights are in the model-state file.
+        ``zero_to_fp32`` returns buffers first, then parameters param group by param group; the
+        names are put back in the module's order (the model-state file's ``module``), the order
+        ``module.state_dict()`` and Lightning's own files have, which the param groups of a
+        Lightning file written from them are read against.
     """
     top, tag = resolve_folder(checkpoint_dir, tag)
     tag_dir = top / tag
+    module_order = [strip_wrapper(name) for name in load_trusted(first_model_states(tag_dir)).get("module") or ()]
     if has_zero_shards(tag_dir):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -146,7 +151,8 @@ def consolidate_state_dict(checkpoint_dir: PathLike, tag: str | None = None) -> 
     for name, tensor in state.items():
         tensor = tensor.detach().cpu()
         consolidated[strip_wrapper(name)] = (tensor.float() if tensor.is_floating_point() else tensor).contiguous()
-    return consolidated
+    position = {name: index for index, name in enumerate(module_order)}
+    return OrderedDict(sorted(consolidated.items(), key=lambda item: position.get(item[0], len(position))))
 
 
 def read_lightning_state(checkpoint_dir: PathLike, tag: str | None = None) -> dict[str, Any]:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import io
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -25,6 +26,7 @@ from lightning_parallel.checkpoints.deepspeed.folder import (
     resolve_folder,
     strip_wrapper,
 )
+from lightning_parallel.checkpoints.lightning.reader import name_positions
 
 
 def _world_size(shard: dict[str, Any]) -> int:
@@ -164,13 +166,14 @@ def _zero_optimizer_state(tag_dir: Path) -> dict[str, Any]:
     return {"state": state, "param_groups": param_groups}
 
 
-def _stage0_optimizer_state(tag_dir: Path) -> dict[str, Any]:
+def _stage0_optimizer_state(tag_dir: Path, group_names: Optional[Sequence[Sequence[str]]] = None) -> dict[str, Any]:
     """The optimizer state of a ZeRO stage 0 checkpoint: a plain torch optimizer state_dict, indexed by position.
 
     Note:
-        Stage 0 saves the optimizer unsharded but with parameter *indices*, not names. They
-        are the module's parameters in order only if one group holds all of them, as
-        ``torch.optim.X(self.parameters())`` does; anything else is refused rather than guessed.
+        Stage 0 saves the optimizer unsharded but with parameter *indices*, not names, as
+        Lightning's single files do: they are named the same way (``group_names``, or inferred
+        from the parameters' order and the state's shapes by
+        :func:`~lightning_parallel.checkpoints.lightning.reader.name_positions`, refused when unclear).
     """
     model_state = load_trusted(tag_dir / MODEL_STATES)
     saved = model_state.get("optimizer")
@@ -180,33 +183,22 @@ def _stage0_optimizer_state(tag_dir: Path) -> dict[str, Any]:
         )
     buffers = set(model_state.get("buffer_names") or ())
     module = {strip_wrapper(n): t for n, t in model_state["module"].items() if n not in buffers}
-    groups = saved["param_groups"]
-    order = [index for group in groups for index in group["params"]]
-    if len(groups) != 1 or len(order) != len(module):
-        raise ValueError(
-            f"ZeRO stage 0 saved {len(order)} optimizer parameters in {len(groups)} groups for a module with "
-            f"{len(module)}: only one group over all parameters can be mapped to names. Train with ZeRO stage 1-3 "
-            "(which records names) or convert the weights only."
-        )
-    state = {}
-    for index, (name, weight) in zip(order, module.items()):
-        entry = saved["state"].get(index, {})
-        if any(torch.is_tensor(v) and v.dim() > 0 and v.shape != weight.shape for v in entry.values()):
-            raise ValueError(
-                f"ZeRO stage 0 optimizer entry {index} does not match parameter {name!r}: the optimizer's parameter "
-                "order is not the module's. Convert the weights only."
-            )
-        state[name] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in entry.items()}
-    group = {k: v for k, v in groups[0].items() if k != "params"}
-    return {"state": state, "param_groups": [{**group, "params": list(module)}]}
+    named = name_positions(saved, module, group_names)
+    named["state"] = {name: {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in entry.items()}
+                      for name, entry in named["state"].items()}
+    return named
 
 
-def consolidate_optimizer_state(checkpoint_dir: PathLike, tag: str | None = None) -> dict[str, Any]:
+def consolidate_optimizer_state(
+    checkpoint_dir: PathLike, tag: str | None = None, group_names: Optional[Sequence[Sequence[str]]] = None
+) -> dict[str, Any]:
     """Gather a DeepSpeed checkpoint's optimizer state into one dict keyed by parameter name.
 
     Args:
         checkpoint_dir: the folder written by ``trainer.save_checkpoint`` (or its tag folder).
         tag: the tag to read; default: the one named in ``latest``.
+        group_names: ZeRO stage 0 only (ZeRO 1-3 record the names): the parameter names of each
+            param group in ``configure_optimizers`` order; default: inferred (see ``_stage0_optimizer_state``).
 
     Returns:
         ``{"state": {name: {"exp_avg": full tensor, "step": tensor, ...}}, "param_groups":
@@ -219,4 +211,4 @@ def consolidate_optimizer_state(checkpoint_dir: PathLike, tag: str | None = None
     """
     top, tag = resolve_folder(checkpoint_dir, tag)
     tag_dir = top / tag
-    return _zero_optimizer_state(tag_dir) if has_zero_shards(tag_dir) else _stage0_optimizer_state(tag_dir)
+    return _zero_optimizer_state(tag_dir) if has_zero_shards(tag_dir) else _stage0_optimizer_state(tag_dir, group_names)

@@ -13,10 +13,10 @@ form: weights under their names, optimizer state flattened per parameter
 Note:
     Positions name parameters only together with the parameter order of the optimizer that
     saved them. :func:`name_positions` takes it from the caller (a strategy knows its own
-    optimizer's groups) or, without it, assumes ``configure_optimizers`` passed
-    ``self.parameters()`` as one group -- and checks every state tensor's shape against the
-    weight it is given to, refusing rather than guessing (several groups, buffers that make
-    the count ambiguous, shapes that disagree).
+    optimizer's groups; ``lp-convert --module`` asks the LightningModule) or, without it, infers
+    it from the weights' order and the state's shapes
+    (:mod:`~lightning_parallel.checkpoints.lightning.groups`), refusing rather than guessing
+    when more than one assignment fits.
 """
 
 from __future__ import annotations
@@ -30,12 +30,16 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_parallel.checkpoints.safe_loading import CheckpointRefused
+from lightning_parallel.checkpoints.lightning.groups import infer_group_names
+from lightning_parallel.checkpoints.safe_loading import CheckpointRefused, safe_globals
 
 # Lightning DCP folders: ModelParallelStrategy saves the weights under "state_dict", FSDPStrategy under "model".
 MODEL_KEYS = ("state_dict", "model")
+# Where the suite records the names of each param group: checkpoint["lightning_parallel"][ORDER_KEY].
+ORDER_KEY = "param_groups"
 NESTED_GROUP_KEY = re.compile(r"^(optimizer_\d+)\.param_groups\.(\d+)\.(\w+)$")
-WEIGHTS_ONLY_FALSE = "Trainer.fit(..., weights_only=False)"
+WEIGHTS_ONLY_FALSE = "Trainer.fit(..., weights_only=False), or lp-convert --trust-source"
+DROP_OPTIMIZER = "load_optimizer_state=False to the strategy (lp-convert: --no-optimizer)"
 
 
 def load_single_file(path: Path, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -43,14 +47,15 @@ def load_single_file(path: Path, weights_only: Optional[bool] = None) -> dict[st
 
     Args:
         path: the ``.ckpt`` file.
-        weights_only: ``None``/``True``: only tensors and plain values may be unpickled;
-            ``False`` only for a file the user trusts (``Trainer.fit(weights_only=False)``).
+        weights_only: ``None``/``True``: only tensors, plain values and OmegaConf containers may be
+            unpickled; ``False`` only for a file the user trusts (``Trainer.fit(weights_only=False)``).
 
     Raises:
         CheckpointRefused: truncated or damaged archive, or objects outside the allow-list.
     """
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only is not False)
+        with safe_globals():  # Hydra's hyper-parameters (OmegaConf containers) and nothing else beyond plain values
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only is not False)
     except pickle.UnpicklingError as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointRefused(
@@ -64,16 +69,16 @@ def load_single_file(path: Path, weights_only: Optional[bool] = None) -> dict[st
         ) from None
 
 
-def _trainable_names(state_dict: dict[str, Any]) -> list[str]:
+def trainable_weights(state_dict: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """Floating-point entries of ``state_dict`` in order, a tied tensor once (as ``module.parameters()`` yields it)."""
-    names, seen = [], set()
+    weights, seen = [], set()
     for name, value in state_dict.items():
         if torch.is_tensor(value) and value.is_floating_point():
             key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
             if key not in seen:
                 seen.add(key)
-                names.append(name)
-    return names
+                weights.append((name, value))
+    return weights
 
 
 def name_positions(
@@ -84,8 +89,9 @@ def name_positions(
     Args:
         optimizer_state: ``{"state": {position: {...}}, "param_groups": [{..., "params": [positions]}]}``.
         state_dict: the checkpoint's weights (shapes are checked against the state).
-        group_names: the parameter names of each param group in the optimizer's order. Default
-            (one group only): the floating-point weights in order, as ``self.parameters()`` gives them.
+        group_names: the parameter names of each param group in the optimizer's order. Default:
+            inferred from the weights' order and the state's shapes
+            (:func:`~lightning_parallel.checkpoints.lightning.groups.infer_group_names`).
 
     Raises:
         ValueError: the groups do not match the names, or a state tensor is not laid out like
@@ -93,28 +99,14 @@ def name_positions(
     """
     groups = optimizer_state["param_groups"]
     sizes = [len(group["params"]) for group in groups]
-    if group_names is None and len(groups) > 1:
-        raise ValueError(
-            f"The optimizer has {len(groups)} param groups (weight decay on some parameters, say): which parameters "
-            "each holds is known only to configure_optimizers. Resume through a suite strategy (it reads them from the "
-            "live optimizer) or pass group_names."
-        )
     if group_names is None:
-        flat = _trainable_names(state_dict)
-        if sum(sizes) != len(flat):
-            raise ValueError(
-                f"The optimizer holds {sum(sizes)} parameters but the checkpoint {len(flat)} floating-point weights: "
-                "cannot tell which weights they are without the module (load it through a suite strategy, which "
-                "knows its optimizer's parameters, or pass group_names)."
-            )
-        cuts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        group_names = [flat[cuts[i] : cuts[i + 1]] for i in range(len(sizes))]
+        group_names = infer_group_names(optimizer_state, trainable_weights(state_dict))
     if [len(names) for names in group_names] != sizes:
         raise ValueError(
             f"Param-group mismatch: the checkpoint's optimizer has groups of {sizes} parameters, configure_optimizers "
             f"now builds groups of {[len(n) for n in group_names]}: "
             "the optimizer state cannot be matched to parameters. "
-            "Pass load_optimizer_state=False to the strategy to load the weights and start the optimizer afresh."
+            f"Pass {DROP_OPTIMIZER} to load the weights and start the optimizer afresh."
         )
     state, named_groups = {}, []
     for group, names in zip(groups, group_names):
@@ -135,8 +127,8 @@ def check_per_element(name: str, entry: dict[str, Any], weight: Optional[torch.T
             raise ValueError(
                 f"Optimizer state {key!r} of {name!r} ({shape}) is not laid out like the parameter "
                 f"({None if weight is None else tuple(weight.shape)}): only per-element state (Adam/AdamW moments, "
-                "SGD momentum) and scalars (step) can be resharded. Pass load_optimizer_state=False to the strategy "
-                "to load the weights and start the optimizer afresh."
+                f"SGD momentum) and scalars (step) can be resharded. Pass {DROP_OPTIMIZER} to load the weights and "
+                "start the optimizer afresh."
             )
     return entry
 
@@ -177,6 +169,30 @@ def flatten_nested_groups(groups: list[dict[str, Any]]) -> dict[str, Any]:
     return flatten_optimizer_state({"state": {}, "param_groups": groups})
 
 
+def optimizer_group_names(
+    checkpoint: dict[str, Any], group_names: Optional[Sequence[Sequence[Sequence[str]]]] = None
+) -> list[list[list[str]]]:
+    """Per optimizer of a loaded single file, the names of each param group: given, recorded, or inferred.
+
+    Args:
+        checkpoint: what :func:`load_single_file` returned.
+        group_names: per optimizer, the names of each param group, when the caller knows them.
+            Default: those ``lp-convert --to lightning`` recorded in the file, else inferred from the
+            weights' order and the state's shapes.
+
+    Raises:
+        PositionsUnknown: inferring them is ambiguous.
+    """
+    states = checkpoint.get("optimizer_states") or []
+    recorded = (checkpoint.get("lightning_parallel") or {}).get(ORDER_KEY)
+    if group_names is None and recorded is not None and len(recorded) == len(states):
+        group_names = recorded
+    if group_names is not None:
+        return [[list(names) for names in groups] for groups in group_names]
+    weights = trainable_weights(checkpoint["state_dict"])
+    return [infer_group_names(state, weights) for state in states]
+
+
 def single_file_entries(
     checkpoint: dict[str, Any], group_names: Optional[Sequence[Sequence[Sequence[str]]]] = None
 ) -> dict[str, Any]:
@@ -192,7 +208,7 @@ def single_file_entries(
         if len(names) != len(states):
             raise ValueError(
                 f"The checkpoint holds {len(states)} optimizers, configure_optimizers now returns {len(names)}: "
-                "pass load_optimizer_state=False to the strategy to load the weights only."
+                f"pass {DROP_OPTIMIZER} to load the weights only."
             )
         checkpoint["optimizer_states"] = [
             flatten_optimizer_state(name_positions(state, checkpoint["state_dict"], group))

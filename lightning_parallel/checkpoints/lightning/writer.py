@@ -4,8 +4,12 @@
 under Lightning's single-device and DDP strategies: full ``state_dict`` weights,
 ``optimizer_states`` as ``torch.optim.Optimizer.state_dict()`` gives them (state keyed by
 parameter *index*, param groups listing indices), and Lightning's own entries (loops,
-callbacks, LR schedulers, epoch, global step, hyper-parameters) as they were saved, so
-``Trainer(strategy="auto"|"ddp").fit(model, ckpt_path=OUT)`` continues the run exactly.
+callbacks, LR schedulers, epoch, global step, hyper-parameters) as they were saved (OmegaConf
+containers as plain dicts and lists, which Lightning's default ``weights_only=True`` load takes), so
+``Trainer(strategy="auto"|"ddp").fit(model, ckpt_path=OUT)`` continues the run exactly. The file
+also keeps ``{"lightning_parallel": {"param_groups": names}}`` (Lightning ignores it), so converting
+it again names its positions exactly. :func:`rewrite_single_file` writes a Lightning file again
+(``--to lightning`` of a Lightning file).
 
 Note:
     The suite stores optimizer state *by parameter name* (flattened for DCP, see
@@ -30,15 +34,25 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_parallel.checkpoints.dcp import METADATA_FILE, is_sharded_checkpoint, resolve_checkpoint, single_process
-from lightning_parallel.checkpoints.lightning.reader import MODEL_KEYS, flatten_nested_groups, nested_param_groups
+from lightning_parallel.checkpoints.lightning.reader import (
+    MODEL_KEYS,
+    ORDER_KEY,
+    flatten_nested_groups,
+    load_single_file,
+    nested_param_groups,
+)
 from lightning_parallel.checkpoints.pt import write_state_dict
-from lightning_parallel.checkpoints.safe_loading import SafeFileSystemReader, SafeLoadPlanner, load_plain
+from lightning_parallel.checkpoints.safe_loading import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    load_plain,
+    plain_containers,
+)
 from lightning_parallel.parallel.pipeline.stages import RemovedLayer
 from lightning_parallel.parallel.pipeline.tied import TIED_COPY_ATTR
 
-ORDER_KEY = "param_groups"
 TIED_KEY = "tied_copies"
-# Entries of meta.pt that only the suite reads; the Lightning file does not carry them.
+# Entries of meta.pt that only the suite reads; the Lightning file carries only the param groups' names of it.
 _SUITE_ONLY = ("lightning_parallel",)
 
 
@@ -224,18 +238,29 @@ def _recorded_order(meta: dict[str, Any], optimizers: int, checkpoint: Path) -> 
     return order
 
 
-def _optimizer_state(checkpoint: Path, index: int, meta: dict[str, Any], count: int) -> dict[str, Any]:
-    """One optimizer's index-keyed state: Lightning DCP folders nest param groups listing names in order (used
-    as they are); the suite's flattened groups take the order its strategies recorded."""
+def _optimizer_state(checkpoint: Path, index: int, meta: dict[str, Any], count: int) -> tuple[dict[str, Any], list]:
+    """One optimizer's index-keyed state and the names of its param groups: Lightning DCP folders nest param groups
+    listing names in order (used as they are); the suite's flattened groups take the order its strategies recorded."""
     key = f"optimizer_{index}"
     entries = _read_entries(checkpoint, f"{key}.")
     nested = nested_param_groups({f"{key}.{k}": v for k, v in entries.items()}, key)
     if nested is not None:
         entries = {k: v for k, v in entries.items() if not k.startswith("param_groups.")}
         entries.update(flatten_nested_groups(nested))
-        return index_keyed_optimizer_state(entries, [list(group["params"]) for group in nested], key)
+        groups = [list(group["params"]) for group in nested]
+        return index_keyed_optimizer_state(entries, groups, key), groups
     tied = (meta.get("lightning_parallel") or {}).get(TIED_KEY, ())
-    return index_keyed_optimizer_state(entries, _recorded_order(meta, count, checkpoint)[index], key, tied)
+    groups = _recorded_order(meta, count, checkpoint)[index]
+    return index_keyed_optimizer_state(entries, groups, key, tied), groups
+
+
+def recorded_entry(groups: list[list[list[str]]]) -> dict[str, Any]:
+    """The ``lightning_parallel`` entry of a Lightning file written here: the names of each param group only.
+
+    Lightning's ``fit(ckpt_path=...)`` ignores it; converting the file again reads its positions by
+    these names instead of inferring them (see :func:`~.reader.optimizer_group_names`).
+    """
+    return {ORDER_KEY: groups}
 
 
 def to_lightning_checkpoint(checkpoint: Path, optimizer_state: bool = True) -> dict[str, Any]:
@@ -256,13 +281,36 @@ def to_lightning_checkpoint(checkpoint: Path, optimizer_state: bool = True) -> d
     meta = load_plain(checkpoint / METADATA_FILE, weights_only=True)
     metadata = SafeFileSystemReader(checkpoint).read_metadata().state_dict_metadata
     model_key = next((k for k in MODEL_KEYS if any(e.startswith(f"{k}.") for e in metadata)), MODEL_KEYS[0])
-    result = {key: value for key, value in meta.items() if key not in _SUITE_ONLY}
+    result = {key: plain_containers(value) for key, value in meta.items() if key not in _SUITE_ONLY}
     result["state_dict"] = _read_entries(checkpoint, f"{model_key}.")
     if not optimizer_state:
         return result
     count = len({key.split(".", 1)[0] for key in metadata if key.startswith("optimizer_")})
-    result["optimizer_states"] = [_optimizer_state(checkpoint, i, meta, count) for i in range(count)]
+    states = [_optimizer_state(checkpoint, i, meta, count) for i in range(count)]
+    result["optimizer_states"] = [state for state, _ in states]
+    result["lightning_parallel"] = recorded_entry([groups for _, groups in states])
     return result
+
+
+def rewrite_single_file(
+    path: Path, out: Path, optimizer_state: bool = True, weights_only: Optional[bool] = None
+) -> Path:
+    """A Lightning single file written again, loadable by Lightning's own ``torch.load(weights_only=True)``.
+
+    Everything is kept as saved (the optimizer state by position too) but OmegaConf hyper-parameters,
+    which become plain dicts and lists: torch >= 2.6 refuses them when Lightning's ``fit(ckpt_path=...)``
+    loads the file as it does by default.
+
+    Args:
+        path: the ``.ckpt`` file, read through the allow-list (:func:`~.reader.load_single_file`).
+        out: the file to write (a hidden temporary name, then a rename).
+        optimizer_state: ``False`` leaves ``optimizer_states`` out.
+        weights_only: ``False`` only for a file the user trusts (objects beyond plain values).
+    """
+    checkpoint = load_single_file(Path(path), weights_only)
+    if not optimizer_state:
+        checkpoint.pop("optimizer_states", None)
+    return write_state_dict(plain_containers(checkpoint), Path(out))
 
 
 def convert_to_lightning(checkpoint: Path, out: Path, optimizer_state: bool = True) -> Path:

@@ -1,4 +1,4 @@
-"""``lp-convert``: DCP -> pt exactly, DeepSpeed -> dcp/pt, and one-line refusals (exit 2, nothing written)."""
+"""``lp-convert``: DCP -> pt and dcp exactly, DeepSpeed -> dcp/pt, and one-line refusals (exit 2, nothing written)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lightning_parallel.checkpoints import is_sharded_checkpoint, load_sharded_checkpoint
+from lightning_parallel.checkpoints.safe_loading import SafeFileSystemReader
 from lightning_parallel.cli.convert import AVAILABLE, main
 from lightning_parallel.testing.models import ResidualMLP
 
@@ -77,12 +78,31 @@ def test_a_missing_or_foreign_source_is_one_line(tmp_path, capsys):
 def test_requests_the_source_cannot_serve_are_refused(dcp_folder, zero0_folder, tmp_path, capsys):
     path, _, _ = dcp_folder
     deepspeed, _, _ = zero0_folder
-    _refused(capsys, [str(path), str(tmp_path / "again.ckpt")], "already a DCP checkpoint folder")
-    _refused(capsys, [str(path), str(tmp_path / "again"), "--to", "dcp"], "already a DCP checkpoint folder")
     _refused(capsys, [str(path), str(tmp_path / "m.pt"), "--tag", "checkpoint"], "--tag applies to a DeepSpeed")
+    _refused(capsys, [str(path), str(tmp_path / "m.ckpt"), "--trust-source"], "--trust-source applies to a single")
+    _refused(capsys, [str(path), str(tmp_path / "m.ckpt"), "--module", "x.Y"], "--module applies where")
+    _refused(capsys, [str(deepspeed), str(tmp_path / "m.pt"), "--module", "x.Y"], "--module applies where")
     _refused(capsys, [str(deepspeed), str(tmp_path / "m.pt"), "--no-optimizer"], "--no-optimizer applies")
     _refused(capsys, [str(deepspeed), str(tmp_path / "m.ckpt"), "--tag", "nope"], "does not exist: check tag=")
     assert not [p for p in tmp_path.iterdir() if p.name not in {"run", "zero0.ckpt"}]
+
+
+def test_a_suite_folder_converted_to_its_own_format_is_the_same_checkpoint(dcp_folder, tmp_path, capsys):
+    """dcp -> dcp rewrites the folder (--no-optimizer strips the optimizer); the state is unchanged."""
+    path, module, optim = dcp_folder
+    assert main([str(path), str(tmp_path / "again.ckpt")]) == 0
+    assert main([str(path), str(tmp_path / "weights.ckpt"), "--no-optimizer"]) == 0
+    assert "left out" in capsys.readouterr().out
+    fresh = ResidualMLP(width=WIDTH, depth=2, optimizer="adamw", seed=1)
+    fresh_optim = fresh.configure_optimizers()
+    load_sharded_checkpoint(tmp_path / "again.ckpt", fresh, [fresh_optim])
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[name], value, rtol=0, atol=0)
+    for a, b in zip(optim.state_dict()["state"].values(), fresh_optim.state_dict()["state"].values()):
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=0, atol=0)
+    assert not [k for k in SafeFileSystemReader(tmp_path / "weights.ckpt").read_metadata().state_dict_metadata
+                if k.startswith("optimizer_")]
 
 
 def test_deepspeed_to_dcp_and_to_pt(zero0_folder, tmp_path, capsys):

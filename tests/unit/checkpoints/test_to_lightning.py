@@ -97,7 +97,9 @@ def test_the_converted_optimizer_state_is_torchs_own_state_dict_and_resumes_exac
     assert main([str(folder), str(tmp_path / "out.ckpt"), "--to", "lightning"]) == 0
     assert "optimizer(s), Lightning state at global step 2" in capsys.readouterr().out
     converted = torch.load(tmp_path / "out.ckpt", weights_only=True)
-    assert "lightning_parallel" not in converted and converted["hyper_parameters"] == {"width": WIDTH}
+    # Of the suite's entries only the names of the param groups travel (read back by lp-convert, ignored by Lightning).
+    assert converted["lightning_parallel"].keys() == {"param_groups"}
+    assert converted["hyper_parameters"] == {"width": WIDTH}
     assert converted["loops"] == LIGHTNING_STATE["loops"] and converted["global_step"] == 2
     expected = optim.state_dict()
     (got,) = converted["optimizer_states"]

@@ -30,8 +30,11 @@ def test_a_lightning_file_becomes_a_suite_folder_and_a_state_dict(tmp_path, caps
     assert main([str(file), str(tmp_path / "weights.pt")]) == 0
     plain = torch.load(tmp_path / "weights.pt", weights_only=True)
     assert plain.keys() == module.state_dict().keys()
-    assert main([str(file), str(tmp_path / "again.ckpt"), "--to", "lightning"]) == 2
-    assert "already a single-file Lightning checkpoint" in capsys.readouterr().err
+    assert main([str(file), str(tmp_path / "again.ckpt"), "--to", "lightning"]) == 0  # written again, as it was
+    again = torch.load(tmp_path / "again.ckpt", weights_only=True)
+    assert again["optimizer_states"][0]["param_groups"] == optim.state_dict()["param_groups"]
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(again["state_dict"][name], value, rtol=0, atol=0)
 
 
 def test_outputs_a_suite_folder_cannot_serve_are_refused_in_one_line_writing_nothing(dcp_folder, tmp_path, capsys):
