@@ -79,7 +79,7 @@ class GracefulStop(pl.Callback):
     def _any_rank_asked(self, trainer: pl.Trainer) -> bool:
         """At an agreed step: whether any rank was asked to stop (during the probe steps also the slowest step)."""
         probing = self.interval is None
-        values = [1.0 if signals.stop_requested() else 0.0, self._slowest if probing else 0.0]
+        values = [1.0 if self._asked(trainer) else 0.0, self._slowest if probing else 0.0]
         asked = torch.tensor(values, device=trainer.strategy.root_device)
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(asked, op=torch.distributed.ReduceOp.MAX)
@@ -87,10 +87,25 @@ class GracefulStop(pl.Callback):
             self.interval = max(1, int(self.agree_every_s / max(float(asked[1]), 1e-6)))
         return bool(asked[0].item())
 
-    def _agreement_due(self) -> bool:
-        """Whether this step is one the ranks agree at (the same answer on every rank: it counts steps only)."""
+    @staticmethod
+    def _replicas(trainer: pl.Trainer) -> Any:
+        """The strategy's fault-tolerant replica groups exchanging a stop vote every step (``mode=ddp``), or None."""
+        replicas = getattr(trainer.strategy, "replica_groups", None)
+        return replicas if replicas is not None and replicas.options.mode == "ddp" else None
+
+    def _asked(self, trainer: pl.Trainer) -> bool:
+        """This rank's vote: a run-wide stop under fault tolerance counts only as the replica groups voted it at this
+        step, so every group stops after the same one (a signal to one group alone stops that group only)."""
+        replicas = self._replicas(trainer)
+        if replicas is not None and signals.run_wide_stop():
+            return bool(replicas.run_stop_agreed)
+        return signals.stop_requested() or bool(replicas is not None and replicas.run_stop_agreed)
+
+    def _agreement_due(self, trainer: pl.Trainer) -> bool:
+        """Whether this step is one the ranks agree at (the same answer on every rank: it counts steps only; every
+        step under fault tolerance, whose groups vote a stop every step and count steps from where they joined)."""
         self._steps += 1
-        return self.interval is None or self._steps % self.interval == 0
+        return self.interval is None or self._steps % self.interval == 0 or self._replicas(trainer) is not None
 
     @override
     def on_train_batch_end(
@@ -106,7 +121,7 @@ class GracefulStop(pl.Callback):
         if self._step_ended is not None and self.interval is None:
             self._slowest = max(self._slowest, now - self._step_ended)
         self._step_ended = now
-        if not self._agreement_due() or not self._any_rank_asked(trainer):
+        if not self._agreement_due(trainer) or not self._any_rank_asked(trainer):
             return
         path = self.checkpoint_dir / "last-stop.ckpt"
         self._saving_stop = True

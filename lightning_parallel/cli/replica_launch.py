@@ -79,7 +79,7 @@ def supervise(cfg: DictConfig) -> int:
 
     def start(group: _GroupProcess) -> None:
         env = {**os.environ, **ft_environment(group.index, ft.replicas, lighthouse.address()),
-               "LP_FT_INCARNATION": str(group.restarts)}
+               "LP_FT_INCARNATION": str(group.restarts), signals.RUN_STOP_FILE: str(stop_marker)}
         folder = run_dir / (f"group{group.index}" + (f"-restart{group.restarts}" if group.restarts else ""))
         command = [sys.executable, "-m", "lightning_parallel.cli.train", *overrides, f"trainer.devices={per_group}",
                    f"hydra.run.dir='{folder}'"]
@@ -90,9 +90,7 @@ def supervise(cfg: DictConfig) -> int:
             shutdown.children = [g.process for g in groups if g.process is not None]
 
     groups = [_GroupProcess(g) for g in range(ft.replicas)]
-    shutdown = signals.current()
-    if shutdown is not None:
-        shutdown.step_finished = True  # nothing to save here; the groups save theirs, so wait for them on a stop
+    shutdown, stop_marker = signals.current(), _run_stop_marker(run_dir)
     try:
         for group in groups:
             start(group)
@@ -103,6 +101,18 @@ def supervise(cfg: DictConfig) -> int:
                 group.process.kill()
         lighthouse.shutdown()
     return 0
+
+
+def _run_stop_marker(run_dir: Path) -> Path:
+    """The file that makes a stop run-wide (``runtime.signals.run_wide_stop``): written by this supervisor before it
+    forwards a signal to the groups, which tell it from a signal to one of them (which stops that group only)."""
+    marker = run_dir / ".lp" / "run-stop"
+    marker.unlink(missing_ok=True)
+    shutdown = signals.current()
+    if shutdown is not None:
+        shutdown.step_finished = True  # nothing to save here; the groups save theirs, so wait for them on a stop
+        shutdown.before_forward = lambda: (marker.parent.mkdir(parents=True, exist_ok=True), marker.touch())
+    return marker
 
 
 def _watch(groups: list[_GroupProcess], max_restarts: int, start: Any) -> None:

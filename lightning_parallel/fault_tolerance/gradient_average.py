@@ -12,8 +12,9 @@ from lightning_parallel.fault_tolerance.flat_buffers import flatten_by_dtype, pi
 from lightning_parallel.fault_tolerance.replica_state import local
 
 
-def average_gradients(manager: Any, params: list[torch.Tensor]) -> None:
-    """One torchft all-reduce (average over the groups taking part) per gradient dtype, in parameter order.
+def average_gradients(manager: Any, params: list[torch.Tensor], votes: tuple[float, ...] = ()) -> list[float]:
+    """One torchft all-reduce (average over the groups taking part) per gradient dtype, in parameter order; returns
+    ``votes`` averaged over the groups with the presence flags (no collective of their own).
 
     Every group flattens the same parameters in the same order; a parameter without a gradient sends zeros and a
     presence flag, so a gradient absent on one group but present on another (or on a group that sends zeros while
@@ -22,9 +23,10 @@ def average_gradients(manager: Any, params: list[torch.Tensor]) -> None:
     grads = [local(p.grad) if p.grad is not None else None for p in params]
     filled = [g if g is not None else torch.zeros_like(local(p.data)) for p, g in zip(params, grads)]
     device = filled[0].device if filled else torch.device("cpu")
-    present = torch.tensor([0.0 if g is None else 1.0 for g in grads], device=device)
+    flags = torch.tensor([0.0 if g is None else 1.0 for g in grads] + list(votes), device=device)
+    present = flags[:len(grads)]
     buffers = flatten_by_dtype(filled)
-    for work in [manager.allreduce(present)] + [manager.allreduce(flat) for _, flat in buffers.values()]:
+    for work in [manager.allreduce(flags)] + [manager.allreduce(flat) for _, flat in buffers.values()]:
         work.wait()
     for idx, flat in buffers.values():
         for i, chunk in zip(idx, pieces(flat, [filled[i] for i in idx])):
@@ -34,6 +36,7 @@ def average_gradients(manager: Any, params: list[torch.Tensor]) -> None:
                 grads[i].copy_(chunk)
             else:
                 params[i].grad = _grad_like(params[i], chunk)
+    return [float(v) for v in flags[len(grads):]]
 
 
 def _grad_like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ from lightning_parallel.fault_tolerance.lighthouse import check_reachable, requi
 from lightning_parallel.fault_tolerance.local_sgd import average_parameters
 from lightning_parallel.fault_tolerance.options import FaultTolerance
 from lightning_parallel.fault_tolerance.replica_state import state_functions
+from lightning_parallel.runtime import signals
 from lightning_parallel.scaling import lr_factor
 
 
@@ -58,6 +59,7 @@ class ReplicaGroups:
         self.failed_commits = 0
         self._need_quorum = True
         self._committed = True
+        self.run_stop_agreed = False  # a run-wide stop voted at the last step (reduce_and_commit)
         self._position = {"epoch": 0, "batch": 0, "step": 0}
         self._loaders: Optional[dict[str, Any]] = None  # the loader position at the end of the last step
         self._local_sgd = options.mode == "local_sgd"
@@ -156,7 +158,10 @@ class ReplicaGroups:
         if self._local_sgd:  # each group steps on its own gradient; parameters meet every sync_every steps
             return True
         params = [p for p in module.parameters() if p.requires_grad]
-        average_gradients(self.manager, params)
+        # A run-wide stop (the supervisor stopped) is voted with the gradients: every group of the quorum learns it
+        # at the same step and stops after it (callbacks/graceful_stop.py), with the same committed parameters.
+        stop = average_gradients(self.manager, params, (1.0 if signals.run_wide_stop() else 0.0,))
+        self.run_stop_agreed = stop[0] > 0
         self._committed = bool(self.manager.should_commit())
         if not self._committed:
             self.failed_commits += 1

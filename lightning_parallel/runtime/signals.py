@@ -57,6 +57,7 @@ class Shutdown:
         self.children: list[subprocess.Popen] = []
         self.step_finished = False
         self.saved: Optional[str] = None
+        self.before_forward: Optional[Any] = None  # called once before the first signal reaches the children
 
     def on_signal(self, signum: int) -> None:
         """React to one SIGINT/SIGTERM (called by the watcher thread)."""
@@ -67,6 +68,8 @@ class Shutdown:
             self.kill_all()
         self.signal_time = time.monotonic()
         self.requested.set()
+        if self.before_forward is not None:
+            self.before_forward()
         live = [c for c in self.children if c.poll() is None]
         for child in live:
             os.kill(child.pid, signal.SIGINT)  # SIGINT: Lightning's own SIGTERM handler would run a collective
@@ -108,6 +111,17 @@ def stop_requested() -> bool:
     """True once SIGINT/SIGTERM asked this process to stop."""
     shutdown = current()
     return bool(shutdown and shutdown.requested.is_set())
+
+
+RUN_STOP_FILE = "LP_RUN_STOP_FILE"  # set by the fault-tolerance supervisor for its groups (cli/replica_launch.py)
+
+
+def run_wide_stop() -> bool:
+    """Whether this process's stop is the whole run's: the fault-tolerance supervisor was stopped and wrote its marker
+    before forwarding the signal to every replica group (the groups then stop after one step they all agree on). A
+    signal to one group alone (a preempted host) stops that group only; the supervisor restarts it and it heals."""
+    marker = os.environ.get(RUN_STOP_FILE)
+    return bool(marker) and stop_requested() and os.path.exists(marker)
 
 
 def _do_nothing(signum: int, frame: Any) -> None:

@@ -124,11 +124,17 @@ class CtrlCAtStep(Callback):
 
     Args:
         step: the optimizer step at whose start the signal is sent.
+        replica: under fault tolerance, the replica group whose rank 0 sends it (``$REPLICA_GROUP_ID``), to the
+            supervisor above the groups (``lp-train``'s own process there: the terminal's Ctrl-C reaches it).
     """
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, replica: Optional[int] = None) -> None:
+        self.step, self.replica = step, replica
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_rank == 0 and trainer.global_step == self.step and not trainer.ckpt_path:
+        if trainer.global_rank != 0 or trainer.global_step != self.step or trainer.ckpt_path:
+            return
+        if self.replica is None:
             os.kill(os.getpid(), signal.SIGINT)
+        elif int(os.environ.get("REPLICA_GROUP_ID", "-1")) == self.replica and incarnation() == 0:
+            os.kill(os.getppid(), signal.SIGINT)

@@ -85,3 +85,39 @@ def _logged_steps(run: Path) -> list[int]:
         steps += [event.step for event in reader.Scalars("train_loss")] if "train_loss" in reader.Tags()["scalars"] \
             else []
     return steps
+
+
+# Group 1 killed at step 4 and healed, then Ctrl-C to lp-train at step 14 (after the heal)
+STOP_RUN = [a for a in RUN if not a.startswith("trainer.max_steps")] + [
+    "trainer.max_steps=400", "+callbacks.ctrl_c._target_=lightning_parallel.testing.faults.CtrlCAtStep",
+    "+callbacks.ctrl_c.step=14", "+callbacks.ctrl_c.replica=0"]
+
+
+def test_ctrl_c_to_lp_train_stops_every_replica_group_after_the_same_step_with_equal_checkpoints(tmp_path: Path):
+    """After a group was lost and healed, the supervisor forwards Ctrl-C to both groups, which see it at different
+    steps (the healed one counts its steps from where it rejoined); the groups vote the run-wide
+    stop with their gradients (fault_tolerance/gradient_average.py), so both stop after one step and write
+    last-stop.ckpt at the same place with bit-identical weights (before: each group stopped on its own schedule).
+
+    Each group alone would agree on a stop only every 100 s of steps here (``LP_STOP_AGREE_S``, after its first 3
+    steps): the test passes only through the vote every step (without it no group saves within the 30 s grace; and
+    a group restarted after a heal counts its agreement steps from another start, which is how groups ended apart)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", "LP_STOP_AGREE_S": "100"}
+    result = subprocess.run([sys.executable, "-m", "lightning_parallel.cli.train", *STOP_RUN,
+                             f"hydra.run.dir={tmp_path}"], env=env, capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 130, output[-6000:]
+    stops = [tmp_path / folder / "checkpoints" / "last-stop.ckpt" for folder in ("group0", "group1-restart1")]
+    assert all(path.exists() for path in stops), output[-6000:]
+    from lightning_parallel.checkpoints.detect import read_lightning_checkpoint
+
+    a, b = read_lightning_checkpoint(stops[0]), read_lightning_checkpoint(stops[1])
+    assert a["global_step"] == b["global_step"] and 14 <= a["global_step"] < 400, (a["global_step"], b["global_step"])
+    # The training position: epoch, batches, steps, the loader's place. The validation loop's batch count in the epoch
+    # is left out: the healed group's can be one validation batch apart (seen 7 vs 8; it does not move the data).
+    training = [{k: v for k, v in c["loops"]["fit_loop"].items() if not k.startswith("epoch_loop.val_loop")}
+                for c in (a, b)]
+    assert training[0] == training[1]
+    gap = max(float((a["state_dict"][k] - b["state_dict"][k]).abs().max()) for k in a["state_dict"])
+    assert gap == 0.0, gap
+    assert output.count("restarting it") == 1  # the killed group only: a run-wide stop restarts nothing
