@@ -44,9 +44,12 @@ def checkpoint_step(path: Path) -> Optional[int]:
     """
     import torch
 
+    from lightning_parallel.checkpoints.safe_loading import safe_globals
+
     try:
         source = _step_file(path)
-        state = torch.load(source, map_location="cpu", mmap=source.name != "meta.pt", weights_only=True)
+        with safe_globals():  # Hydra's containers in the hyper-parameters, nothing else
+            state = torch.load(source, map_location="cpu", mmap=source.name != "meta.pt", weights_only=True)
         return int(state["global_step"])
     except Exception:  # noqa: BLE001 - a checkpoint with more than plain values: fall back to its name
         match = re.search(r"step[=_-]?(\d+)", path.name)

@@ -94,6 +94,7 @@ def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None
     from lightning.pytorch.utilities import rank_zero_only
 
     from lightning_parallel.cli.report import result_rows, startup_table
+    from lightning_parallel.checkpoints.safe_loading import safe_globals
     from lightning_parallel.cli.run_resume import describe_start
     from lightning_parallel.runtime.console import print_table
 
@@ -114,7 +115,10 @@ def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None
         rows = startup_table(cfg, strategy, layout, effective, logger, summary)
         print_table("lightning_parallel: run", rows + [("start", describe_start(start)), *(notes or {}).items()])
 
-    trainer.fit(model, datamodule=datamodule, ckpt_path=str(start) if start else None)
+    # Lightning reads a single-file checkpoint with torch's weights_only=True, which refused the run's own file when its
+    # hyper-parameters hold Hydra's containers (gpt_moe, the HF and DLRM recipes): the suite's allow-list admits them.
+    with safe_globals():
+        trainer.fit(model, datamodule=datamodule, ckpt_path=str(start) if start else None)
     metrics = fit_metrics(trainer, datamodule)
     if rank_zero_only.rank == 0:
         print_table("lightning_parallel: result", result_rows(trainer, metrics, cfg))
