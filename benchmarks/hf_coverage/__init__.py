@@ -7,8 +7,10 @@
 Every causal-LM model type of the installed transformers whose config carries a tensor or pipeline plan is
 built from its config class at a tiny size (:mod:`.tiny`) and trained a few steps under tensor 2, pipeline 2,
 pipeline 2 x tensor 2, data 2 ZeRO-2 and (families whose config carries ``base_model_ep_plan``) data 2 x expert 2
-against one process (:mod:`.cells`); each cell is PARITY with its
-figure, REFUSED before start with the cause, or a DEFECT (:mod:`.table`). The JSON goes to
+against one process (:mod:`.cells`); the two pretrained columns (:mod:`.pretrained`) start from a
+``save_pretrained`` folder under tensor 2 and data 2 x expert 2, each rank reading its slices, against one process
+started from ``from_pretrained``, and export the trained checkpoint back to a folder ``from_pretrained`` reads.
+Each cell is PARITY with its figure, REFUSED before start with the cause, or a DEFECT (:mod:`.table`). The JSON goes to
 ``benchmarks/results/<date>/hf_coverage/results.json`` (with every cell's losses and the refusal messages),
 the table to ``docs/hf-coverage.md``. Families that cannot be built from a config alone (multimodal
 wrappers, configs that need more than a size) are listed with the reason.

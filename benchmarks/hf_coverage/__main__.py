@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run_matrix(selected, layouts, args.out, args.cell_timeout, resume=args.resume)
     for layout, row in result["summary"].items():
         if row["families"]:
-            print(f"{table.COLUMNS[layout]:>22}: {row['PARITY']}/{row['families']} PARITY "
+            print(f"{table.COLUMNS[layout]:>29}: {row['PARITY']}/{row['families']} PARITY "
                   f"({100 * row['parity_share']:.0f}%), {row['REFUSED']} refused, {row['DEFECT']} defects")
     docs = args.docs or (DOCS if selected is None and layouts == tuple(table.COLUMNS) else None)
     if docs is not None:

@@ -22,7 +22,7 @@ import time
 import traceback
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -58,11 +58,16 @@ LAYOUTS: dict[str, tuple[int, Optional[str]]] = {
     "single": (1, None), "tp2": (2, "tp"), "pp2": (2, "pp"), "pp2xtp2": (4, "both"), "dp2_zero2": (2, None),
     "dp2_ep2": (2, "ep"),
     "tp2_loss_parallel": (2, "tp"),  # not a matrix column: the loss-parallel check of tests/distributed
+    # Started from a save_pretrained folder (:mod:`.pretrained`): its one-process reference and its two columns.
+    "pretrained_single": (1, None), "pretrained_tp2": (2, "tp"), "pretrained_dp2_ep2": (2, "ep"),
 }
+#: layouts that train under another layout's strategy (a folder-started column under its plain layout's)
+SAME_STRATEGY = {"pretrained_single": "single", "pretrained_tp2": "tp2", "pretrained_dp2_ep2": "dp2_ep2"}
 
 
 def strategy_for(layout: str) -> Any:
     """The strategy object of a layout (``"auto"`` for the single process)."""
+    layout = SAME_STRATEGY.get(layout, layout)
     return "auto" if layout == "single" else _strategy(layout)
 
 
@@ -119,16 +124,39 @@ def refusal(model_type: str, layout: str) -> Optional[str]:
     return None
 
 
-def _fit(model_type: str, layout: str, world_size: int) -> dict[str, Any]:
+def _fit(model_type: str, layout: str, world_size: int, root: Path) -> dict[str, Any]:
+    if layout in SAME_STRATEGY:  # started from the family's save_pretrained folder
+        from benchmarks.hf_coverage.pretrained import fit_from_folder
+
+        return fit_from_folder(model_type, layout, world_size, root)
+    return fit_module(partial(TinyFamily, model_type), layout, world_size)
+
+
+def fit_module(make: Callable[[], pl.LightningModule], layout: str, world_size: int, callbacks: tuple = (),
+               checkpoint: Optional[Path] = None) -> dict[str, Any]:
+    """Train the module ``make()`` builds :data:`STEPS` steps under ``layout`` on the matrix's batches.
+
+    Args:
+        make: builds the module (after the seed is set, as in every layout).
+        layout: a key of :data:`LAYOUTS`.
+        world_size: the launch's processes.
+        callbacks: further callbacks (e.g. :class:`~.pretrained.LoadedParameters`).
+        checkpoint: where to save the trained (sharded) checkpoint, if anywhere.
+
+    Returns:
+        ``{"losses", "parameters", "first_step_parameters"}`` (parameters on rank 0 only).
+    """
     from lightning_parallel.testing.compare import StepRecorder, full_parameters
     from lightning_parallel.testing.fit import quiet_trainer
 
     pl.seed_everything(0, verbose=False)
-    module, strategy = TinyFamily(model_type), strategy_for(layout)
+    module, strategy = make(), strategy_for(layout)
     recorder, first = StepRecorder(), FirstStepParameters()
-    trainer = quiet_trainer(world_size, strategy, STEPS, [recorder, first], limit_val_batches=0,
+    trainer = quiet_trainer(world_size, strategy, STEPS, [recorder, first, *callbacks], limit_val_batches=0,
                             num_sanity_val_steps=0)
     trainer.fit(module, datamodule=_data(strategy, world_size))
+    if checkpoint is not None:
+        trainer.save_checkpoint(checkpoint)  # every rank writes its shards
     params = full_parameters(trainer.lightning_module)
     rank0 = trainer.global_rank == 0
     return {"losses": recorder.losses, "parameters": params if rank0 else None,
@@ -189,10 +217,10 @@ def run_cells(rank: int, world_size: int, layout: str, model_types: list[str], f
         with log.open("a") as handle:
             handle.write(json.dumps({"family": model_type, "status": "started"}) + "\n")
         try:
-            result = _fit(model_type, layout, world_size)
+            result = _fit(model_type, layout, world_size, root)
         except Exception as error:
             with log.open("a") as handle:
-                handle.write(json.dumps({"family": model_type, "status": "error", "error": _short(error)}) + "\n")
+                handle.write(json.dumps({"family": model_type, "status": "error", "error": short_error(error)}) + "\n")
             raise
         result["seconds"] = time.monotonic() - state["started"]
         state["started"] = None
@@ -201,7 +229,8 @@ def run_cells(rank: int, world_size: int, layout: str, model_types: list[str], f
             handle.write(json.dumps({"family": model_type, "status": "done"}) + "\n")
 
 
-def _short(error: BaseException) -> str:
+def short_error(error: BaseException) -> str:
+    """An exception as one line of at most 400 characters (its type and message)."""
     lines = traceback.format_exception_only(type(error), error)
     return " ".join(" ".join(lines).split())[:400]
 
@@ -224,8 +253,7 @@ def _load(folder: Path, layout: str, model_type: str, world_size: int) -> Option
     if not all(path.is_file() for path in paths):
         return None
     ranks = [torch.load(path, weights_only=True) for path in paths]
-    return {"losses": [r["losses"] for r in ranks], "parameters": ranks[0]["parameters"],
-            "first_step_parameters": ranks[0].get("first_step_parameters"), "seconds": ranks[0]["seconds"]}
+    return {**ranks[0], "losses": [r["losses"] for r in ranks]}  # rank 0's parameters, every rank's losses
 
 
 def run_layout(layout: str, model_types: list[str], folder: Path, cell_timeout: float = CELL_TIMEOUT,

@@ -9,7 +9,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from benchmarks.hf_coverage import cells, table, tiny
+from benchmarks.hf_coverage import cells, pretrained, table, tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "hf-coverage.md"
@@ -34,15 +34,24 @@ def _run(matrix: list[tiny.Family], wanted: dict[str, list[tiny.Family]], layout
          cell_timeout: float, say: Callable[[str], None]) -> tuple[dict, dict]:
     """``(refusals before start, runs)``: the suite's checks per cell, then one process and each layout."""
     started = time.monotonic()
+    plain = [layout for layout in layouts if layout not in pretrained.COLUMNS]
     refused = {(f.model_type, layout): cells.refusal(f.model_type, layout)
-               for layout in layouts for f in wanted[layout]}
-    runs = {"single": cells.run_layout("single", [f.model_type for f in matrix], out, cell_timeout)}
-    say(f"single process: {len(matrix)} families ({time.monotonic() - started:.0f} s)")
-    for layout in layouts:
+               for layout in plain for f in wanted[layout]}
+    runs = {}
+    if plain:
+        runs["single"] = cells.run_layout("single", [f.model_type for f in matrix], out, cell_timeout)
+        say(f"single process: {len(matrix)} families ({time.monotonic() - started:.0f} s)")
+    for layout in plain:
         chosen = [f.model_type for f in wanted[layout] if not refused[f.model_type, layout]]
         runs[layout] = cells.run_layout(layout, chosen, out, cell_timeout)
         say(f"{layout}: {len(chosen)} run, {len(wanted[layout]) - len(chosen)} refused before start "
             f"({time.monotonic() - started:.0f} s)")
+    folders = {layout: [f.model_type for f in wanted[layout]] for layout in layouts if layout in pretrained.COLUMNS}
+    if folders:  # started from save_pretrained folders: their own reference, refusals and exports
+        more_refused, more_runs = pretrained.run_columns(folders, out, cell_timeout, say)
+        refused.update(more_refused)
+        runs.update(more_runs)
+        say(f"pretrained columns done ({time.monotonic() - started:.0f} s)")
     return refused, runs
 
 
@@ -98,8 +107,10 @@ def _judge(matrix: list[tiny.Family], refused: dict, runs: dict, say: Callable[[
     """Every cell's verdict; the fp32 floor (:mod:`.floor`) is measured only for families with a cell off by more
     than the tolerance (a few seconds each, in this process)."""
     def cell(family: tiny.Family, layout: str, floor: Optional[float] = None) -> table.Verdict:
-        return table.verdict(refused.get((family.model_type, layout)), runs.get(layout, {}).get(family.model_type),
-                             runs["single"].get(family.model_type), floor)
+        from_folder = layout in pretrained.COLUMNS  # judged against one process started from from_pretrained
+        judge, reference = (pretrained.verdict, pretrained.REFERENCE) if from_folder else (table.verdict, "single")
+        return judge(refused.get((family.model_type, layout)), runs.get(layout, {}).get(family.model_type),
+                     runs.get(reference, {}).get(family.model_type), floor)
 
     verdicts = {}
     for family in matrix:

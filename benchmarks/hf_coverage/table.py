@@ -15,7 +15,25 @@ from typing import Any, Optional
 
 TOLERANCE = 1e-5
 COLUMNS = {"tp2": "tensor 2", "pp2": "pipeline 2", "pp2xtp2": "pipeline 2 x tensor 2", "dp2_zero2": "data 2 ZeRO-2",
-           "dp2_ep2": "data 2 x expert 2"}
+           "dp2_ep2": "data 2 x expert 2",
+           # started from a save_pretrained folder, exported back (benchmarks/hf_coverage/pretrained.py)
+           "pretrained_tp2": "pretrained tensor 2", "pretrained_dp2_ep2": "pretrained data 2 x expert 2"}
+
+# How the pretrained columns are made and judged (benchmarks/hf_coverage/pretrained.py), for the page.
+PRETRAINED_NOTE = [
+    "The two *pretrained* columns start from a folder instead: `save_pretrained` of the family's tiny model,",
+    "randomly initialised from another seed than the suite's own initialisation (a rank that read nothing would",
+    "keep other values), given to the recipe as `pretrained=` (what `lp-train",
+    "model.pretrained=DIR` does: the model is built on `meta`, split, and each rank reads only its slices of the",
+    "folder), trained under tensor 2 and (families with `base_model_ep_plan`) data 2 x expert 2 against one",
+    "process started from `from_pretrained` of the same folder. PARITY there also needs every loaded parameter,",
+    "gathered before the first step, to equal `from_pretrained`'s exactly, and `from_pretrained` of the trained",
+    "sharded checkpoint exported with `lp-convert --to hf` to hold, within the tolerance, what transformers",
+    "gives back for the one-process trained model (`from_pretrained` of its `save_pretrained`: the two differ",
+    "where a family's loader rewrites a loaded weight, as Youtu's zeroes the embedding's padding row); at the",
+    "fp32 floor, no farther than the trained model itself. The figure is the larger of the training and export",
+    "differences. REFUSED also covers a folder the suite's preflight (`match_folder`, on `meta`) refuses.",
+]
 
 
 @dataclass(frozen=True)
@@ -52,16 +70,23 @@ def _largest(run: dict[str, Any], reference: dict[str, Any]) -> tuple[float, str
         for step, (a, b) in enumerate(zip(losses, ref_losses)):
             if not abs(a - b) <= worst:
                 worst, where = abs(a - b), f"loss of step {step} on rank {rank}"
-    ref_params, params = reference["parameters"] or {}, run["parameters"] or {}
+    diff, name = parameter_difference(run["parameters"] or {}, reference["parameters"] or {})
+    return (diff, f"final {name}" if math.isfinite(diff) else name) if not diff <= worst else (worst, where)
+
+
+def parameter_difference(params: dict[str, Any], ref_params: dict[str, Any]) -> tuple[float, str]:
+    """The largest difference between two ``{name: tensor}`` sets and the name it is at (``inf`` and the cause
+    when their names or shapes differ)."""
     missing = sorted(set(ref_params) ^ set(params))
     if missing:
         return math.inf, f"parameters {missing[:3]} are not in both runs"
+    worst, where = 0.0, ""
     for name, value in params.items():
         if value.shape != ref_params[name].shape:
             return math.inf, f"{name} has shape {tuple(value.shape)}, not {tuple(ref_params[name].shape)}"
         diff = float((value - ref_params[name]).abs().max()) if value.numel() else 0.0
         if not diff <= worst:
-            worst, where = diff, f"final {name}"
+            worst, where = diff, name
     return worst, where
 
 
@@ -136,6 +161,7 @@ def markdown(meta: dict[str, Any], families: list[Any], rows: dict[str, dict[str
         "figures are listed below.",
         "**REFUSED**: the suite's checks refused it before any process started (cause below). **DEFECT**: it",
         "failed, hung or trained to other numbers after start. `-`: the family has no plan for that layout.", "",
+        *PRETRAINED_NOTE, "",
         "| layout | families with the plan | PARITY | REFUSED | DEFECT | PARITY share |", "|---|---|---|---|---|---|",
     ]
     for layout, name in COLUMNS.items():

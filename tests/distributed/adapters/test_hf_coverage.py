@@ -8,6 +8,10 @@ close -- fused projections (Phi-3), scalars around the block chain (Granite's em
 scaling, Cohere's logit scale), a plan naming its own blocks (GPT-NeoX), rotary bases per layer type (Gemma 3),
 experts (Mixtral) -- a plain Llama, and a refusal (Granite-SWA's attention sinks under tensor parallelism).
 ``loss_parallel=True`` is checked on Phi-3 and OLMo2, whose fused or gathered projections crashed it.
+
+The pretrained columns (issue 39) are checked on a plain decoder (Llama), a tied embedding (Gemma 3) and experts
+(Mixtral): a ``save_pretrained`` folder loaded with ``pretrained=`` under tensor 2 and data 2 x expert 2 equals
+``from_pretrained``'s model, trains like it in one process and exports back to it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ import pytest
 pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
 pytestmark = pytest.mark.slow
 
-from benchmarks.hf_coverage import CI_SAMPLE, cells, run_matrix, table  # noqa: E402  # noqa: E402
+from benchmarks.hf_coverage import CI_SAMPLE, cells, pretrained, run_matrix, table  # noqa: E402
+
+PLAIN = tuple(layout for layout in table.COLUMNS if layout not in pretrained.COLUMNS)
+PRETRAINED_SAMPLE = ("llama", "gemma3_text", "mixtral")
 
 REFUSED = {("granite_swa", "tp2"): "local_params", ("granite_swa", "pp2xtp2"): "local_params"}
 # Cells of the whole matrix known not to be PARITY or a refusal, with the cause (docs/hf-coverage.md); a new one
@@ -32,8 +39,10 @@ def _kinds(result: dict) -> dict[tuple[str, str], table.Verdict]:
 
 
 def test_the_ci_sample_matches_one_process_or_is_refused_before_start(tmp_path):
-    result = run_matrix(list(CI_SAMPLE), out=tmp_path / "cells", say=print)
+    result = run_matrix(list(CI_SAMPLE), PLAIN, out=tmp_path / "cells", say=print)
     for (family, layout), cell in _kinds(result).items():
+        if layout not in PLAIN:  # the pretrained columns: their own test below
+            continue
         print(f"{family:12s} {layout:10s} {cell.short()}")
         if cell.kind == "NA":  # the family has no plan for this layout (data 2 x expert 2: no ep_plan)
             assert layout == "dp2_ep2", (family, layout)
@@ -46,6 +55,49 @@ def test_the_ci_sample_matches_one_process_or_is_refused_before_start(tmp_path):
     assert result["summary"]["tp2"]["families"] == len(CI_SAMPLE)  # every sample family has both plans
     page = table.markdown(result["meta"], result["matrix"], result["verdicts"], result["summary"])
     assert "| granite_swa | GraniteSWAForCausalLM | REFUSED: " in page and "PARITY 1e-05" not in page
+
+
+def test_a_save_pretrained_folder_loads_trains_and_exports_like_from_pretrained_under_tp2_and_dp2_ep2(tmp_path):
+    result = run_matrix(list(PRETRAINED_SAMPLE), pretrained.COLUMNS, out=tmp_path / "cells", say=print)
+    for family in PRETRAINED_SAMPLE:
+        for layout in pretrained.COLUMNS:
+            cell = result["verdicts"][family][layout]
+            print(f"{family:12s} {layout:18s} {cell.short()}")
+            if layout == "pretrained_dp2_ep2" and family != "mixtral":  # no experts: no ep plan
+                assert cell.kind == "NA", (family, layout, cell)
+            else:
+                assert cell.kind == "PARITY" and cell.figure <= table.TOLERANCE, (family, layout, cell)
+    assert result["summary"]["pretrained_tp2"]["PARITY"] == 3 and result["summary"]["pretrained_dp2_ep2"]["PARITY"] == 1
+
+
+def _pretrained_run(loaded: float, exported: float, first: float = 0.0, last: float = 0.0) -> dict:
+    """A pretrained cell trained ``first``/``last`` off one process (:func:`_result`), whose ``w`` was loaded
+    ``loaded`` off ``from_pretrained``'s and whose export is ``exported`` off the one-process model read back."""
+    import torch
+
+    return {**_result(first, last), "loaded_parameters": {"w": torch.tensor([loaded])},
+            "export": {"difference": exported, "where": "w"}}
+
+
+def test_a_pretrained_cell_is_parity_only_when_loaded_exactly_and_exported_within_the_tolerance():
+    import torch
+
+    reference = {**_result(0.0, 0.0), "loaded_parameters": {"w": torch.tensor([0.0])}}
+    assert pretrained.verdict(None, _pretrained_run(0.0, 2e-6), reference).short() == "PARITY 2.0e-06"
+    # at the fp32 floor the export may be as far from one process as the trained model is, no farther
+    at_floor = pretrained.verdict(None, _pretrained_run(0.0, 7e-5, 1e-7, 8e-5), reference, floor=9.5e-6)
+    assert at_floor.kind == "PARITY" and "fp32 floor" in at_floor.short()
+    assert pretrained.verdict(None, _pretrained_run(0.0, 2e-4, 1e-7, 8e-5), reference, floor=9.5e-6).kind == "DEFECT"
+    # negative controls: one loaded value off (even by rounding), an export off, an export that failed, nothing
+    # recorded at load time, a folder transformers could not write
+    assert "not from_pretrained's" in pretrained.verdict(None, _pretrained_run(1e-9, 0.0), reference).cause
+    assert pretrained.verdict(None, _pretrained_run(0.0, 3e-5), reference).kind == "DEFECT"
+    failed = {**_pretrained_run(0.0, 0.0), "export": {"error": "lp-convert --to hf: error: ..."}}
+    assert "export failed" in pretrained.verdict(None, failed, reference).cause
+    unloaded = {**_pretrained_run(0.0, 0.0), "loaded_parameters": None}
+    assert pretrained.verdict(None, unloaded, reference).kind == "DEFECT"
+    assert pretrained.verdict(None, {"unsaved": "OSError: ..."}, reference).kind == "DEFECT"
+    assert pretrained.verdict("refused: ...", None, reference).kind == "REFUSED"
 
 
 @pytest.mark.parametrize("family", ["phi3", "olmo2"])
