@@ -16,7 +16,6 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -27,7 +26,6 @@ from typing_extensions import override
 
 from lightning_parallel import _compat
 from lightning_parallel.adapters import ModelAdapter
-from lightning_parallel.checkpoints import optimizer_state_dict
 from lightning_parallel.fault_tolerance.options import FaultTolerance
 from lightning_parallel.fault_tolerance.replicas import ReplicaGroups
 from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout
@@ -44,9 +42,9 @@ from lightning_parallel.parallel.precision import check_precision
 from lightning_parallel.strategies import executors
 from lightning_parallel.strategies.clipping import GlobalNormClipping
 from lightning_parallel.strategies.hybrid_checkpoints import (
+    HybridCheckpointIO,
     checked_load_optimizer_state,
-    load_strategy_checkpoint,
-    save_strategy_checkpoint,
+    unwrap_optimizer,
 )
 from lightning_parallel.strategies.layer_timing import agreed_layer_times
 from lightning_parallel.strategies.reduction import ReduceWithoutBarrier
@@ -58,43 +56,32 @@ from lightning_parallel.strategies.timeouts import CollectiveTimeout, names_time
 
 __all__ = ["CollectiveTimeout", "HybridParallelStrategy"]
 
-class HybridParallelStrategy(ReduceWithoutBarrier, ModelParallelStrategy):
-    """Data x pipeline x tensor parallelism for modules that follow the suite's protocol.
 
-    Ranks form a mesh ``(data_parallel, pipeline_parallel, tensor_parallel)``, tensor
-    innermost. The module is cut into ``pipeline_parallel_size x stages_per_rank`` stages of
-    its ``pipeline_layers()``, each stage's layers are sharded by ``tensor_parallel_plan()``
-    (plus ``plan``), and the data dimension either averages gradients (``zero_stage=0``) or
-    shards them with FSDP2 (``2``: gradients and optimizer state; ``3``: parameters too).
-    ``configure_model`` still runs first, with ``self.device_mesh`` available, for anything a
-    plan cannot say.
+class HybridParallelStrategy(HybridCheckpointIO, ReduceWithoutBarrier, ModelParallelStrategy):
+    """Data x context x pipeline x tensor parallelism (experts borrowing data x context ranks) on one mesh.
 
-    Under pipeline parallelism the strategy runs the schedule itself: the module's
-    ``training_step``/``validation_step`` are not called; ``train_loss``/``val_loss`` are
-    logged from ``pipeline_loss_terms`` or ``pipeline_loss`` (the global-batch mean, the same on every rank), and
-    ``predict_step`` returns the model outputs on every rank.
+    Lightning's lifecycle only: ``setup_environment`` builds the process group and the run's
+    :class:`~lightning_parallel.layout.meshes.RunMeshes` (``self.meshes``; ``self.device_mesh`` is its run view);
+    ``configure_model`` runs next (on ``meta`` by default); ``setup`` resolves the model's adapter once and calls
+    :func:`~lightning_parallel.parallel.compose.parallelize`, which splits the module into this rank's pipeline
+    stages, shards them by the tensor plan, and wraps the data axis (``zero_stage`` 0: DDP or replicated FSDP2;
+    2/3: FSDP2 sharding), then picks the step executor. Under pipelining the executor runs the schedule: the module's
+    ``training_step``/``validation_step`` are not called; ``train_loss``/``val_loss`` are logged from its pipeline
+    loss terms (the global-batch mean, the same on every rank); ``predict_step`` returns outputs on every rank.
+    Checkpoints: :class:`~lightning_parallel.strategies.hybrid_checkpoints.HybridCheckpointIO`.
 
     Args:
         options: see :class:`~lightning_parallel.parallel.options.ParallelOptions` (sizes, ``zero_stage``,
             schedule, tensor-parallel plan, precision, checkpoint format, timeout, ...): one
-            ``ParallelOptions``, or its fields as keywords (``option_kwargs``); both only where they agree.
+            ``ParallelOptions``, or its fields as keywords (``option_kwargs``); both only where they agree
+            (validated at construction into ``strategy.options``; an unknown name names the closest valid one).
         process_group_backend: ``gloo``/``nccl``; default by device.
-        load_optimizer_state: ``ckpt_path``'s optimizer state is restored (default), resharded
-            onto this layout, or the load is refused when it cannot be exactly (state that is not
-            per-element, a param-group mismatch). ``False``: load everything else (weights,
-            loops, LR schedulers, callbacks) and start the optimizer afresh, with a warning.
+        load_optimizer_state: ``ckpt_path``'s optimizer state is restored (default), resharded onto this layout, or
+            the load is refused when it cannot be exactly. ``False``: load everything else and start the optimizer
+            afresh, with a warning.
         fault_tolerance: a :class:`~lightning_parallel.fault_tolerance.FaultTolerance` (or a mapping of its fields):
             this run is one replica group of several that survive each other's loss (torchft). Default: off.
-        **option_kwargs: fields of ``ParallelOptions`` by name, e.g. ``pipeline_parallel_size=2,
-            zero_stage=2``; every argument is a keyword.
-
-    ``ckpt_path`` may name the suite's folder, a Lightning single-file checkpoint (single
-    device, DDP, FSDP full state), a Lightning DCP folder (``ModelParallelStrategy``,
-    ``FSDPStrategy`` sharded) or a DeepSpeed ZeRO 0-3 folder; see
-    :mod:`lightning_parallel.checkpoints.resume`.
-
-    The options are validated at construction into one frozen ``ParallelOptions``
-    (``strategy.options``); an unknown name is a ``ValueError`` with the closest valid one.
+        **option_kwargs: fields of ``ParallelOptions`` by name, e.g. ``pipeline_parallel_size=2, zero_stage=2``.
     """
 
     strategy_name = "hybrid_parallel"
@@ -222,7 +209,7 @@ class HybridParallelStrategy(ReduceWithoutBarrier, ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            optimizers, split = [_unwrap(o) for o in self.optimizers], self.parallelized.split
+            optimizers, split = [unwrap_optimizer(o) for o in self.optimizers], self.parallelized.split
             step_on_local_shards(optimizers)  # element-wise updates of DTensor parameters on their local tensors
             if split is not None and split.shared:  # the same on every rank: a safe collective
                 pipeline_tied.check_tied_optimizer_groups(self.lightning_module, self.parallelized.tied, optimizers)
@@ -230,7 +217,7 @@ class HybridParallelStrategy(ReduceWithoutBarrier, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
             if self.replica_groups is not None:  # the first quorum; a group that is behind heals here
-                self.replica_groups.open(self, trainer, [_unwrap(o) for o in self.optimizers])
+                self.replica_groups.open(self, trainer, [unwrap_optimizer(o) for o in self.optimizers])
 
     def _parallelize(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
         if self._parallelized_module is not None and self._parallelized_module() is module:
@@ -325,7 +312,7 @@ class HybridParallelStrategy(ReduceWithoutBarrier, ModelParallelStrategy):
         def closure_then_steps() -> Any:
             result = closure()
             for step in steps:
-                step(self.lightning_module, _unwrap(optimizer))
+                step(self.lightning_module, unwrap_optimizer(optimizer))
             return result
 
         try:
@@ -352,27 +339,6 @@ class HybridParallelStrategy(ReduceWithoutBarrier, ModelParallelStrategy):
         with deferred_gradient_sync(self.model, self.options.zero_stage, self.layout.hsdp_enabled):
             yield
 
-    # --- checkpoints -----------------------------------------------------------------------
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if not self.options.save_distributed_checkpoint:
-            return super().optimizer_state(optimizer)
-        return optimizer_state_dict(self.lightning_module, _unwrap(optimizer))
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write a sharded DCP folder that appears under ``filepath`` only when every rank has finished."""
-        checkpoint.update(self.adapter.checkpoint_metadata())
-        if not self.options.save_distributed_checkpoint:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        save_strategy_checkpoint(self, checkpoint, filepath, storage_options, [_unwrap(o) for o in self.optimizers])
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load ``checkpoint_path`` from any writer the suite reads, resharded onto this layout
-        (see the class docstring)."""
-        return load_strategy_checkpoint(self, checkpoint_path, weights_only, [_unwrap(o) for o in self.optimizers])
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -380,9 +346,3 @@ class HybridParallelStrategy(ReduceWithoutBarrier, ModelParallelStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="data x pipeline x tensor parallelism (lightning_parallel)"
             )
-
-
-def _unwrap(optimizer: Any) -> Optimizer:
-    """The torch optimizer inside a ``LightningOptimizer`` (or the optimizer itself)."""
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-

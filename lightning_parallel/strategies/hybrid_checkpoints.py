@@ -9,9 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim import Optimizer
+from typing_extensions import override
 
-from lightning_parallel.checkpoints import resolve_checkpoint, save_sharded_checkpoint
+from lightning_parallel.checkpoints import optimizer_state_dict, resolve_checkpoint, save_sharded_checkpoint
 from lightning_parallel.checkpoints.lightning.writer import parameter_order_entry
 from lightning_parallel.checkpoints.resume import resume_from
 
@@ -75,3 +77,38 @@ def checked_load_optimizer_state(value: Any) -> bool:
             f"optimizer afresh), not {value!r}."
         )
     return value
+
+
+def unwrap_optimizer(optimizer: Any) -> Optimizer:
+    """The torch optimizer inside a ``LightningOptimizer`` (or the optimizer itself)."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+class HybridCheckpointIO:
+    """The hybrid strategy's checkpoint hooks (mixed in before Lightning's ``ModelParallelStrategy``): optimizer state
+    under unsharded names, a sharded DCP folder out, any writer the suite reads in, resharded onto this layout.
+
+    ``ckpt_path`` may name the suite's folder, a Lightning single-file checkpoint (single device, DDP, FSDP full
+    state), a Lightning DCP folder (``ModelParallelStrategy``, ``FSDPStrategy`` sharded) or a DeepSpeed ZeRO 0-3
+    folder; see :mod:`lightning_parallel.checkpoints.resume`.
+    """
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self.options.save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        return optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer))
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write a sharded DCP folder that appears under ``filepath`` only when every rank has finished."""
+        checkpoint.update(self.adapter.checkpoint_metadata())
+        if not self.options.save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        save_strategy_checkpoint(self, checkpoint, filepath, storage_options, [unwrap_optimizer(o) for o in self.optimizers])
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load ``checkpoint_path`` from any writer the suite reads, resharded onto this layout
+        (see the class docstring)."""
+        return load_strategy_checkpoint(self, checkpoint_path, weights_only, [unwrap_optimizer(o) for o in self.optimizers])
