@@ -97,14 +97,40 @@ def test_every_relative_link_in_the_readme_resolves():
     assert broken == []
 
 
-def test_source_layout_page_names_every_subpackage_and_top_level_module():
-    """docs/layout.md (and the architecture page through it) must follow the package as it moves."""
-    layout = (ROOT / "docs" / "layout.md").read_text()
+def _layout_sections(page: str) -> dict[str, str]:
+    """docs/layout.md's code block as ``{top-level entry: its text}`` (an entry starts at column 2: ``layout/``,
+    ``protocol.py``; its description runs until the next entry)."""
+    sections: dict[str, str] = {}
+    current = None
+    for line in page.splitlines():
+        entry = re.match(r"^  (\S+)", line)
+        if entry:
+            current = entry.group(1)
+            sections[current] = ""
+        if current is not None:
+            sections[current] += line + "\n"
+    return sections
+
+
+def test_source_layout_page_names_every_module_under_its_package():
+    """docs/layout.md lists every module of the package, each in the entry of its top-level package (a nested
+    package's modules with the nested package named there too): the page follows the tree as it moves."""
+    sections = _layout_sections((ROOT / "docs" / "layout.md").read_text())
     package = ROOT / "lightning_parallel"
-    names = [f"{p.parent.name}/" for p in package.glob("*/**/__init__.py")]  # nested ones under their parent
-    names += [p.name for p in package.glob("*.py")]
-    missing = sorted(name for name in names if not re.search(rf"(^|[\s(/]){re.escape(name)}", layout, flags=re.M))
-    assert missing == []
+    missing = []
+    for module in sorted(package.rglob("*.py")):
+        parts = module.relative_to(package).parts
+        if len(parts) == 1:
+            if parts[0] not in sections:
+                missing.append(parts[0])
+            continue
+        text = sections.get(f"{parts[0]}/", "")
+        wanted = [f"{folder}/" for folder in parts[1:-1]] + ([] if parts[-1] == "__init__.py" else [parts[-1]])
+        missing += [f"{'/'.join(parts)} ({name})" for name in wanted
+                    if not re.search(rf"(^|[\s(/,]){re.escape(name)}", text, flags=re.M)]
+        if not text:
+            missing.append(f"{parts[0]}/ (no entry)")
+    assert missing == [], sorted(set(missing))
 
 
 def test_every_repository_path_the_docs_name_exists():
