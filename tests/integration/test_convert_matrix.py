@@ -35,7 +35,10 @@ from tests.integration.convert_sources import (
 )
 
 pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(1500)]
+# Extended (pytest -m extended): making the six real sources takes about 2.5 minutes, over the default suite's budget;
+# the conversions themselves are held in the default run by tests/unit/checkpoints (synthetic files of each kind).
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.timeout(1500)]
 
 TARGETS = ("dcp", "lightning", "pt", "hf")
 SOURCES = (*LP_TRAIN, "model_parallel")

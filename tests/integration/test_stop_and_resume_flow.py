@@ -12,8 +12,9 @@ Before the fix the stop's folder also held a ``last.ckpt`` written 0.6 s after `
 newer file) and trained on the next epoch's shuffle: 0.18-0.43 off under context 2. Negative control: the stop's
 checkpoint with its data position dropped trains on other batches (the comparison would catch a skipped batch).
 
-The default run holds the cells of the issue (context 2, data 2 x expert 2 resumed at data 4 x expert 4 and on one
-process); ``pytest -m extended`` adds data (DDP, ZeRO 2), pipeline, tensor, hybrid and DeepSpeed.
+The default run holds the cells of the issue (context 2, data 2 x expert 2 resumed at data 4 x expert 4, one process
+with Hydra containers in its hyper-parameters); ``pytest -m extended`` adds data 2 x expert 2 resumed on one process,
+data (DDP, ZeRO 2), pipeline, tensor, hybrid and DeepSpeed.
 """
 
 import os
@@ -107,12 +108,12 @@ CELLS = {
     "data 2 x expert 2 -> data 4 x expert 4": (
         MOE, [*HYBRID, "strategy.expert_parallel_size=2", *DATA2],
         ("trainer.devices=4", "strategy.expert_parallel_size=4", "data.batch_size=2")),
+}
+EXTENDED = {
     "data 2 x expert 2 -> one process": (
         MOE, [*HYBRID, "strategy.expert_parallel_size=2", *DATA2],
         ("strategy=hybrid", "strategy.pipeline_parallel_size=1", "strategy.tensor_parallel_size=1",
          "trainer.devices=1", *WHOLE)),
-}
-EXTENDED = {
     "data 2 (DDP)": (GPT, ["strategy=ddp", *DATA2], ()),
     "data 2 (ZeRO 2)": (GPT, [*HYBRID, "strategy.zero_stage=2", *DATA2], ()),
     "pipeline 2": (GPT, ["strategy=pipeline", "trainer.devices=2", *WHOLE], ()),
