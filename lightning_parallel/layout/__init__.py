@@ -45,7 +45,7 @@ from lightning_parallel.layout.world import (
 
 __all__ = ["CONTEXT_PARALLEL", "DATA_AXES", "DATA_CONTEXT", "DATA_PARALLEL", "DATA_REPLICATE", "DATA_SHARD",
            "DEFAULT_NAMES", "MESH_AXES", "PIPELINE_PARALLEL", "TENSOR_PARALLEL", "ParallelLayout", "RankCoordinates",
-           "Size", "check_size", "factorizations", "rank_map_rows", "EXPERT_DATA",
+           "Size", "check_size", "factorizations", "EXPERT_DATA",
            "EXPERT_PARALLEL"]
 
 DATA_REPLICATE = "data_replicate"
@@ -327,15 +327,3 @@ def _replica_groups(
     if replicate is not None:
         return replicate
     return data_parallel // shard if shard is not None else 1
-
-
-def rank_map_rows(layout: ParallelLayout, limit: int = 16) -> dict[str, str]:
-    """The rank map of the start-up table (:func:`lightning_parallel.layout.rows.rank_map_rows`).
-
-    Args:
-        layout: the resolved layout.
-        limit: groups shown per axis before eliding.
-    """
-    from lightning_parallel.layout.rows import rank_map_rows as rows
-
-    return rows(layout, limit)

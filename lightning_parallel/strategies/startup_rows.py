@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from lightning_parallel.layout import ParallelLayout, rank_map_rows
+from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.layout.rows import rank_map_rows
 from lightning_parallel.parallel.activation_checkpoint import describe_choice
 from lightning_parallel.parallel.compile import compile_backend
 from lightning_parallel.parallel.options import OFFLOAD_DESCRIPTIONS, ZERO_DESCRIPTIONS, ParallelOptions

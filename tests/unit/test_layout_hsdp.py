@@ -103,7 +103,7 @@ def test_the_bf16_comm_hook_is_fsdp2s_bf16_reduction():
 
 
 def test_the_startup_table_shows_shard_and_replica_groups_under_hsdp():
-    from lightning_parallel.layout import rank_map_rows
+    from lightning_parallel.layout.rows import rank_map_rows
 
     rows = rank_map_rows(ParallelLayout.resolve(8, pipeline_parallel=2, data_shard=2))
     assert rows["data shard groups"].startswith("[0, 2] [1, 3]") and rows["data replica groups"].startswith("[0, 4]")
