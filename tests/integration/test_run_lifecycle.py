@@ -8,7 +8,6 @@ a few steps, trainer=cpu_test).
 import csv
 import json
 import math
-import os
 import re
 import signal
 import subprocess
@@ -20,25 +19,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.integration.lp_train_runs import logged_scalars, lp_train, lp_train_env, ok
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model=gpt_tiny", "trainer=cpu_test", "data.seq_len=32", "data.batch_size=4", "data.max_bytes=200000"]
 FOLDER = re.compile(r"\d\d-\d\d-\d\d\.\d{3}_(?P<label>[\w.-]+)_(?P<id>[0-9a-f]{6})")
 
 
-def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-
 def _lp_train(args, cwd, timeout=300):
-    command = [sys.executable, "-m", "lightning_parallel.cli.train", *args]
-    return subprocess.run(command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def _ok(result):
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
-    return result.stdout + result.stderr
+    return lp_train(args, cwd, timeout)
 
 
 def _run_folders(cwd):
@@ -51,7 +41,7 @@ def test_two_runs_started_in_the_same_second_finish_in_their_own_folders_with_th
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda seed: _lp_train([*args, f"seed={seed}"], tmp_path), (101, 202)))
     for result in results:
-        _ok(result)
+        ok(result)
     folders = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
     assert len(folders) == 2, folders
     seeds = set()
@@ -70,27 +60,13 @@ def test_two_runs_started_in_the_same_second_finish_in_their_own_folders_with_th
     assert seeds == {101, 202}
 
 
-def _scalars(tensorboard_dir, tag):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    values = {}
-    for events in sorted(tensorboard_dir.glob("events.out.tfevents.*")):
-        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
-        accumulator.Reload()
-        if tag in accumulator.Tags()["scalars"]:
-            for event in accumulator.Scalars(tag):
-                assert event.step not in values, f"step {event.step} logged twice"
-                values[event.step] = event.value
-    return values
-
-
 def test_ckpt_path_last_without_a_checkpoint_fails_and_resume_continues_in_the_same_folder(tmp_path):
     args = [*TINY, "strategy=single", "callbacks.evaluation=null"]
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(_lp_train, [*args, "trainer.max_steps=4"], tmp_path)
         reference = pool.submit(_lp_train, [*args, "trainer.max_steps=8", "hydra.run.dir=reference"], tmp_path)
-        out = _ok(first.result())
-        _ok(reference.result())
+        out = ok(first.result())
+        ok(reference.result())
     (run,) = _run_folders(tmp_path)
     # A 4-step run (interval 3 in cpu_test) validates, reports its checkpoint and logs to train.log.
     assert "every 2 batches" in out and "fresh start" in out
@@ -104,12 +80,12 @@ def test_ckpt_path_last_without_a_checkpoint_fails_and_resume_continues_in_the_s
     assert f"lp-train resume={run}    # step 4" in fresh.stderr and "Traceback" not in fresh.stderr
     assert len(_run_folders(tmp_path)) == 1  # the refused run claimed no folder
 
-    out = _ok(_lp_train([f"resume={run}", "trainer.max_steps=8"], tmp_path))
+    out = ok(_lp_train([f"resume={run}", "trainer.max_steps=8"], tmp_path))
     assert "resumed from step 4 of " in out  # the path follows (the table may fold it)
     assert len(_run_folders(tmp_path)) == 1 and "step8" in " ".join(p.name for p in (run / "checkpoints").iterdir())
     # One TensorBoard run, steps continuous, the same losses as the uninterrupted run.
-    resumed = _scalars(run / "tensorboard", "train_loss")
-    uninterrupted = _scalars(tmp_path / "reference" / "tensorboard", "train_loss")
+    resumed = logged_scalars(run / "tensorboard", "train_loss")
+    uninterrupted = logged_scalars(tmp_path / "reference" / "tensorboard", "train_loss")
     assert sorted(resumed) == sorted(uninterrupted) and len(resumed) == 8, (sorted(resumed), sorted(uninterrupted))
     assert max(abs(resumed[s] - uninterrupted[s]) for s in resumed) < 1e-5
 
@@ -128,7 +104,7 @@ def test_sigint_stops_every_rank_of_a_pipeline_run_within_seconds_with_a_checkpo
                "trainer.max_steps=100000", "model.max_steps=100000", "logger=none", "callbacks.evaluation=null",
                f"hydra.run.dir={run}"]
     log = open(tmp_path / "out.txt", "w+")
-    launcher = subprocess.Popen(command, cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    launcher = subprocess.Popen(command, cwd=tmp_path, env=lp_train_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
         while "lightning_parallel: pipeline split" not in (tmp_path / "out.txt").read_text():
@@ -166,8 +142,8 @@ def test_sigint_stops_every_rank_of_a_pipeline_run_within_seconds_with_a_checkpo
         resumed = pool.submit(_lp_train, [f"resume={run}", f"trainer.max_steps={end}"], tmp_path)
         uninterrupted = pool.submit(_lp_train, [*(a for a in command[3:-1] if not a.startswith("trainer.max_steps=")),
                                                    f"trainer.max_steps={end}", "hydra.run.dir=reference"], tmp_path)
-        assert f"resumed from step {saved[2]} of " in _ok(resumed.result())
-        _ok(uninterrupted.result())
+        assert f"resumed from step {saved[2]} of " in ok(resumed.result())
+        ok(uninterrupted.result())
     final = [
         json.loads((folder / "metrics.json").read_text())["metrics"]["train_loss"]
         for folder in (run, tmp_path / "reference")

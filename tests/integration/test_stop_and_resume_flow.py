@@ -17,18 +17,15 @@ with Hydra containers in its hyper-parameters); ``pytest -m extended`` adds data
 data (DDP, ZeRO 2), pipeline, tensor, hybrid and DeepSpeed.
 """
 
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.integration.lp_train_runs import logged_scalars, lp_train, lp_train_env, ok
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 END = 9  # optimizer steps of every run; the stop lands after step 4
 TINY = ["trainer=cpu_test", "data.seq_len=32", "data.max_bytes=200000", "trainer.limit_val_batches=0",
         "callbacks.evaluation=null", f"trainer.max_steps={END}", f"model.max_steps={END}"]
@@ -39,31 +36,12 @@ HYBRID = ["strategy=hybrid", "strategy.pipeline_parallel_size=1", "strategy.tens
 WHOLE = ["data.batch_size=8"]  # ... and at data-parallel size 1
 
 
-def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "LP_STOP_AGREE_S": "0"}
-
-
 def _lp_train(args, cwd, timeout=400):
-    command = [sys.executable, "-m", "lightning_parallel.cli.train", *args]
-    return subprocess.run(command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def _ok(result):
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
-    return result.stdout + result.stderr
+    return lp_train(args, cwd, timeout, lp_train_env(LP_STOP_AGREE_S="0"))
 
 
 def _train_losses(folder):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    values = {}
-    for events in sorted((folder / "tensorboard").glob("events.out.tfevents.*")):
-        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
-        accumulator.Reload()
-        for event in accumulator.Scalars("train_loss") if "train_loss" in accumulator.Tags()["scalars"] else []:
-            assert event.step not in values, f"step {event.step} logged twice"
-            values[event.step] = event.value
-    return values
+    return logged_scalars(folder / "tensorboard", "train_loss")
 
 
 _REFERENCES = {}
@@ -74,7 +52,7 @@ def _reference(model, tmp_path_factory):
     key = tuple(model)
     if key not in _REFERENCES:
         cwd = tmp_path_factory.mktemp("reference")
-        _ok(_lp_train([*model, *TINY, "strategy=single", *WHOLE, "hydra.run.dir=run"], cwd))
+        ok(_lp_train([*model, *TINY, "strategy=single", *WHOLE, "hydra.run.dir=run"], cwd))
         _REFERENCES[key] = _train_losses(cwd / "run")
     return _REFERENCES[key]
 
@@ -88,7 +66,7 @@ def _stop_then_resume(cwd, model, layout, resume_layout=()):
     assert saved, out[-3000:]
     printed = saved[3].split()[1:]  # the command as printed, run through the same interpreter
     assert 4 <= int(saved[2]) < END, out[-3000:]
-    resumed = _ok(_lp_train([*printed, *resume_layout], cwd))
+    resumed = ok(_lp_train([*printed, *resume_layout], cwd))
     assert f"resumed from step {saved[2]} of " in resumed
     return Path(saved[4]), int(saved[2])
 
@@ -150,6 +128,6 @@ def test_negative_control_the_stop_checkpoint_without_its_data_position_trains_o
     torch.save(checkpoint, stop)
     for other in stop.parent.glob("last.ckpt"):
         other.unlink()
-    _ok(_lp_train(["resume=run"], tmp_path))
+    ok(_lp_train(["resume=run"], tmp_path))
     losses = _train_losses(tmp_path / "run")
     assert max(abs(losses[s] - reference[s]) for s in losses) > 1e-3
