@@ -15,16 +15,21 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Optional, Union
 
-from lightning_parallel.layout import Size, check_size
+from lightning_parallel.layout import ParallelLayout, Size, check_size
 from lightning_parallel.parallel import option_checks as checks
 from lightning_parallel.parallel.activation_checkpoint import Choice, check_choice
 from lightning_parallel.parallel.compile import Compile, check_compile, compile_backend
 from lightning_parallel.parallel.option_checks import CONTEXT_METHODS, OFFLOAD_MODES, ZERO_STAGES, check_dtype_option
 from lightning_parallel.parallel.pipeline.schedules import validate_schedule
 
+# How the hybrid strategy's arguments are spelled in layout errors.
+SIZE_NAMES = {"data_parallel": "data_parallel_size", "pipeline_parallel": "pipeline_parallel_size",
+              "tensor_parallel": "tensor_parallel_size", "context_parallel": "context_parallel_size",
+              "expert_parallel": "expert_parallel_size"}
+
 __all__ = [
     "CONTEXT_METHODS", "DEFAULT_TIMEOUT", "OFFLOAD_DESCRIPTIONS", "OFFLOAD_MODES", "ParallelOptions",
-    "ZERO_DESCRIPTIONS", "ZERO_STAGES", "as_timeout", "option_names", "options_from", "plain",
+    "SIZE_NAMES", "ZERO_DESCRIPTIONS", "ZERO_STAGES", "as_timeout", "option_names", "options_from", "plain",
 ]
 
 # The one default collective timeout of every strategy in the suite: long enough for a slow
@@ -205,6 +210,25 @@ class ParallelOptions:
         if self.zero_stage:
             return int((self.bucket_size_mb or 0) * 2**20)
         return int((25 if self.bucket_size_mb is None else self.bucket_size_mb) * 2**20)
+
+    def layout(self, world_size: int, names: Optional[Mapping[str, str]] = None, num_nodes: int = 1
+               ) -> ParallelLayout:
+        """The layout these options ask for on ``world_size`` ranks (no processes needed).
+
+        Args:
+            world_size: processes in the run.
+            names: how errors spell the settings (default :data:`SIZE_NAMES`, the hybrid strategy's argument names).
+            num_nodes: nodes in the run, for the messages.
+
+        Raises:
+            ValueError: sizes that do not fit ``world_size``, naming the fix.
+        """
+        names = names or SIZE_NAMES
+        return ParallelLayout.resolve(world_size, self.data_parallel_size, self.pipeline_parallel_size,
+                                      self.tensor_parallel_size, names=names, num_nodes=num_nodes,
+                                      data_replicate=self.data_replicate_size, data_shard=self.data_shard_size,
+                                      context_parallel=self.resolved_context_size(world_size, names),
+                                      expert_parallel=self.expert_parallel_size)
 
     def resolved_context_size(self, world_size: int, names: Mapping[str, str]) -> int:
         """The context size: explicit, or with ``"auto"`` what the (then explicit) other sizes leave of the world.

@@ -50,7 +50,6 @@ from lightning_parallel.strategies.layer_timing import agreed_layer_times
 from lightning_parallel.strategies.reduction import ReduceWithoutBarrier
 from lightning_parallel.strategies.resolved_adapter import resolved_adapter
 from lightning_parallel.strategies.after_backward import AfterBackward, after_backward_steps
-from lightning_parallel.strategies.resolve import options_layout
 from lightning_parallel.strategies.resume_order import resumed_shuffle_notice
 from lightning_parallel.strategies.timeouts import CollectiveTimeout, names_timeouts
 
@@ -118,7 +117,7 @@ class HybridParallelStrategy(HybridCheckpointIO, ReduceWithoutBarrier, ModelPara
             names: how errors spell the settings (default: this strategy's argument names).
             num_nodes: nodes in the run, for the messages (default: the strategy's).
         """
-        return options_layout(self.options, world_size, names, num_nodes or self.num_nodes)
+        return self.options.layout(world_size, names, num_nodes or self.num_nodes)
 
     def startup_rows(self, layout: ParallelLayout) -> dict[str, str]:
         """Strategy rows of the start-up table (see :mod:`lightning_parallel.cli.report`)."""

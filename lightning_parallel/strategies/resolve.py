@@ -19,31 +19,7 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightning_parallel.layout import ParallelLayout
 
-__all__ = ["options_layout", "resolve_layout", "strategy_object"]
-
-# How the hybrid strategy's arguments are spelled in layout errors.
-SIZE_NAMES = {"data_parallel": "data_parallel_size", "pipeline_parallel": "pipeline_parallel_size",
-              "tensor_parallel": "tensor_parallel_size", "context_parallel": "context_parallel_size",
-              "expert_parallel": "expert_parallel_size"}
-
-
-def options_layout(options: Any, world_size: int, names: Optional[Mapping[str, str]], num_nodes: int
-                   ) -> ParallelLayout:
-    """The layout a :class:`~lightning_parallel.parallel.options.ParallelOptions` asks for on ``world_size`` ranks.
-
-    Args:
-        options: the hybrid strategy's options (sizes, HSDP split, context and expert sizes).
-        world_size: processes in the run.
-        names: how errors spell the settings (default :data:`SIZE_NAMES`, the strategy's argument names).
-        num_nodes: nodes in the run, for the messages.
-    """
-    names = names or SIZE_NAMES
-    context = options.resolved_context_size(world_size, names)
-    return ParallelLayout.resolve(world_size, options.data_parallel_size, options.pipeline_parallel_size,
-                                  options.tensor_parallel_size, names=names, num_nodes=num_nodes,
-                                  data_replicate=options.data_replicate_size, data_shard=options.data_shard_size,
-                                  context_parallel=context, expert_parallel=options.expert_parallel_size)
-
+__all__ = ["resolve_layout", "strategy_object"]
 
 def _has_layout(cls: Any) -> bool:
     """Whether instances of ``cls`` resolve their own layout (the suite's data x pipeline x tensor strategies)."""
