@@ -28,6 +28,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_parallel.cli.errors import read_rank_error
 from lightning_parallel.cli.run_folder import ENV_CONFIG_SHA, ENV_RUN_ID, verify_rank_config, write_rank_config
 from lightning_parallel.runtime import signals
 from lightning_parallel.runtime.ports import free_port
@@ -71,9 +72,10 @@ class _ChildWatcher(threading.Thread):
     A child that exits during a stop (SIGINT/SIGTERM, :mod:`lightning_parallel.runtime.signals`) is expected.
     """
 
-    def __init__(self, children: list[subprocess.Popen]) -> None:
+    def __init__(self, children: list[subprocess.Popen], run_dir: Path) -> None:
         super().__init__(daemon=True, name="lp-child-watcher")
         self.children = children
+        self.run_dir = run_dir
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -81,8 +83,11 @@ class _ChildWatcher(threading.Thread):
             failed = [(i + 1, c.returncode) for i, c in enumerate(self.children) if c.poll() not in (None, 0)]
             if failed and not signals.stop_requested():
                 rank, code = failed[0]
-                print(f"lp-train: rank {rank} exited with code {code}; stopping all ranks "
-                      f"(its error is above, and in rank{rank}.log).", file=sys.stderr, flush=True)
+                # The rank left its error line instead of printing it (cli/train.py): shown here once.
+                line = read_rank_error(self.run_dir, rank)
+                print(f"lp-train: error (rank {rank}): {line}" if line else
+                      f"lp-train: rank {rank} exited with code {code}; stopping all ranks (see rank{rank}.log).",
+                      file=sys.stderr, flush=True)
                 for child in self.children:
                     if child.poll() is None:
                         child.kill()
@@ -161,7 +166,7 @@ def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int, run_id: str) -> Ite
     if shutdown is not None:
         shutdown.children = children
     os.environ.update({**rank_env, "LOCAL_RANK": "0", "RANK": "0", "OMP_NUM_THREADS": threads})
-    watcher = _ChildWatcher(children)
+    watcher = _ChildWatcher(children, run_dir)
     watcher.start()
     try:
         yield
@@ -178,7 +183,9 @@ def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int, run_id: str) -> Ite
             shutdown.children = []
     failed = [(i + 1, c.returncode) for i, c in enumerate(children) if c.returncode != 0]
     if failed and not signals.stop_requested():
-        raise RuntimeError(f"Ranks exited with errors (rank, code): {failed}; see their output above.")
+        rank, code = failed[0]
+        raise RuntimeError(f"rank {rank} exited with code {code}: {read_rank_error(run_dir, rank) or 'see its log'}"
+                           f" (ranks that failed, with their exit codes: {failed})")
 
 
 def check_rank_config() -> None:

@@ -203,18 +203,26 @@ def _report_failure(error: BaseException, cfg: DictConfig) -> float:
     """One short line for an error (the traceback goes to the run's log file); in a multirun the job's row."""
     from lightning_parallel.cli.run_start import log_traceback
 
+    from lightning_parallel.cli.errors import error_line, rank_error_file
+
     log = log_traceback(error)
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    line = error_line(error)  # the root cause, not Hydra's "Error in call to target"; long lists shortened
     if _multirun():
         record_failure(Path(cfg.paths.output_dir), error)
-        print(f"lp-train: job failed: {first} (full traceback: {log})", file=sys.stderr, flush=True)
+        print(f"lp-train: job failed: {line} (full traceback: {log})", file=sys.stderr, flush=True)
         return float("nan")  # the sweep goes on; the summary gets a failure row
     if isinstance(error, ConfigError):
         report_config_error(error)
     rank = os.environ.get("RANK", "0")
+    if rank != "0" and "LP_PARENT_PID" in os.environ:
+        # A rank this entry point started: the launcher prints its line once (cli/launch.py), not every rank.
+        try:
+            rank_error_file(Path(cfg.paths.output_dir), int(rank)).write_text(f"{line}\n  full traceback: {log}\n")
+            sys.exit(1)
+        except OSError:
+            pass
     where = "" if rank == "0" else f" (rank {rank})"
-    print(f"lp-train: error{where}: {type(error).__name__}: {first}\n  full traceback: {log}",
-          file=sys.stderr, flush=True)
+    print(f"lp-train: error{where}: {line}\n  full traceback: {log}", file=sys.stderr, flush=True)
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         traceback.print_exception(type(error), error, error.__traceback__)
     sys.exit(1)
