@@ -264,14 +264,22 @@ def preflight(cfg: DictConfig) -> tuple[Any, ParallelLayout]:
     """Build the strategy and check the trainer, data, layout and model, before any process starts.
 
     Raises:
-        ConfigError: the first thing that cannot work, in the order trainer, data, sizes, world, schedule, precision,
-            model, pretrained weights.
+        ConfigError: the first thing that cannot work, in the order trainer, data, strategy choices, sizes, world,
+            schedule, batch and lr after rescaling, micro-batches, optimizer, precision, model, pretrained weights.
     """
+    from lightning_parallel.cli import value_checks as values
+
     try:
         _check_trainer(cfg)
+        values.check_trainer_values(cfg)
         _check_data(cfg)
+        values.check_data_values(cfg)
+        values.check_strategy_choices(cfg)
         strategy = _build_strategy(cfg)
         layout = layout_of(strategy, world_size_of(cfg), int(cfg.trainer.num_nodes))
+        effective = values.check_scaling(cfg, layout)
+        values.check_microbatches(cfg, layout, effective.micro_batch_size)
+        values.check_optimizer(cfg)
         _check_precision(cfg, strategy, layout)
         _check_model(cfg, strategy, layout)
         _check_pretrained(cfg)
