@@ -115,7 +115,7 @@ def _check_precision(cfg: DictConfig, strategy: Any, layout: ParallelLayout) -> 
     check_precision(_UNIFIED_PRECISION.get(precision, precision), options, layout)
 
 
-def _meta_model(cfg: DictConfig) -> Any:
+def meta_model(cfg: DictConfig) -> Any:
     """``cfg.model`` built on the meta device (``configure_model`` included); None when it needs the Trainer."""
     import torch
     from hydra.errors import InstantiationException
@@ -143,7 +143,7 @@ def _check_model(cfg: DictConfig, strategy: Any, layout: ParallelLayout) -> None
     if options is None or not (layout.pipeline_parallel_enabled or layout.tensor_parallel_enabled
                                or layout.context_parallel_enabled):
         return
-    model = _meta_model(cfg)
+    model = meta_model(cfg)
     if model is not None:
         check_module(model, layout, options)
 
@@ -166,7 +166,7 @@ def _check_pretrained(cfg: DictConfig) -> None:
     """A ``save_pretrained`` folder that does not fit the model (keys, shapes, as ``from_pretrained`` matches them)
     fails here, naming the difference, not in every rank after start."""
     folders = _pretrained_folders(cfg)
-    model = _meta_model(cfg) if folders else None
+    model = meta_model(cfg) if folders else None
     if model is None:
         return
     from lightning_parallel.callbacks.hf_weights import hf_model_prefix

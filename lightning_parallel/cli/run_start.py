@@ -193,6 +193,19 @@ def log_traceback(error: BaseException) -> Optional[str]:
     return files[0] if files else None
 
 
+def _check_start_model(cfg: DictConfig, start: Optional[Path]) -> None:
+    """The start checkpoint is readable and of this model (:mod:`lightning_parallel.cli.checkpoint_check`)."""
+    if start is None:
+        return
+    from lightning_parallel.cli.checkpoint_check import check_resume_checkpoint
+    from lightning_parallel.cli.preflight import meta_model
+
+    try:
+        check_resume_checkpoint(cfg, start, meta_model(cfg))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 @dataclass(frozen=True)
 class PreparedRun:
     """Everything settled before any rank starts (:func:`prepare_run`).
@@ -229,6 +242,7 @@ def prepare_run(cfg: DictConfig) -> PreparedRun:
     strategy, layout = preflight(cfg)  # before any other rank starts: a bad config is reported once
     start = start_checkpoint(cfg)
     check_start_readable(strategy, start)
+    _check_start_model(cfg, start)
     identity = claim_run_folder(cfg, bool(launched_externally()))
     note = validation_schedule(cfg)
     with open_dict(cfg):

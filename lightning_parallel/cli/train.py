@@ -201,9 +201,8 @@ def _multirun() -> bool:
 
 def _report_failure(error: BaseException, cfg: DictConfig) -> float:
     """One short line for an error (the traceback goes to the run's log file); in a multirun the job's row."""
-    from lightning_parallel.cli.run_start import log_traceback
-
     from lightning_parallel.cli.errors import error_line, rank_error_file
+    from lightning_parallel.cli.run_start import log_traceback
 
     log = log_traceback(error)
     line = error_line(error)  # the root cause, not Hydra's "Error in call to target"; long lists shortened

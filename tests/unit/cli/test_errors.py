@@ -2,7 +2,7 @@
 
 from hydra.errors import InstantiationException
 
-from lightning_parallel.cli.errors import error_line, read_rank_error, rank_error_file, root_cause, short_message
+from lightning_parallel.cli.errors import error_line, rank_error_file, read_rank_error, root_cause, short_message
 
 
 def _raised_through_instantiate(cause):
@@ -45,7 +45,8 @@ def test_a_long_state_dict_mismatch_keeps_a_few_entries_and_counts_the_rest():
     missing = ", ".join(f'"layer.{i}.weight"' for i in range(30))
     sizes = "\n".join(f"\tsize mismatch for block.{i}.w: copying a param with shape torch.Size([4]) from checkpoint, "
                       f"the shape in current model is torch.Size([8])." for i in range(37))
-    error = RuntimeError(f"Error(s) in loading state_dict for GPT:\n\tMissing key(s) in state_dict: {missing}.\n{sizes}")
+    head = "Error(s) in loading state_dict for GPT:"
+    error = RuntimeError(f"{head}\n\tMissing key(s) in state_dict: {missing}.\n{sizes}")
     text = short_message(error)
     lines = text.splitlines()
     assert lines[0] == "Error(s) in loading state_dict for GPT:"
