@@ -8,7 +8,7 @@ top MLP 64-32-1, dot interaction) on the same synthetic single-hot Zipf click lo
 per rank over gloo (:func:`lightning_parallel.testing.run_processes`), each through Lightning's ``Trainer.fit``:
 
 * ``data_parallel``, ``table_wise``, ``column_wise`` -- ``TorchRecStrategy(sharding=...)``
-  (:mod:`lightning_parallel.strategies.torchrec`) on :class:`~examples.recsys.torchrec_model.TorchRecDLRM`
+  (:mod:`lightning_parallel.strategies.torchrec.strategy`) on :class:`~examples.recsys.torchrec_model.TorchRecDLRM`
   (TorchRec's ``DLRM`` over an ``EmbeddingBagCollection``); the dense part is data-parallel (256 / ranks samples
   per rank). ``column_wise`` uses ``column_shard_dim`` = 64 / ranks, so every table is cut over every rank. Sharded
   tables are updated in backward by TorchRec's fused Adagrad (touched rows only); replicated ``data_parallel``
@@ -32,7 +32,7 @@ rotated every round):
 * Table bytes per rank: this rank's local pieces of the tables' weights and of their optimizer state (Adagrad's
   ``sum``, one per element), read from the trained modules -- a ``ShardedTensor``'s local shards, a DTensor's local
   tensor, a replica whole -- never computed; the largest over ranks. Gradients and communication buffers are not
-  counted. ``formula``: the plan's weight bytes (:func:`~lightning_parallel.strategies.torchrec_plan.bytes_per_rank`;
+  counted. ``formula``: the plan's weight bytes (:func:`~lightning_parallel.strategies.torchrec.sharding_plan.bytes_per_rank`;
   rows x 64 x 4 / ranks for the vocabulary sharding) x 2 for the state.
 * Step time: from ``on_train_batch_start`` (after a barrier) to ``on_train_batch_end`` (backward and optimizer step
   done), the slowest rank per step, the median over the timed steps of every round after ``WARMUP`` steps.
@@ -121,7 +121,7 @@ def _torchrec_parts(design: str, world: int, rows: int, steps: int) -> tuple:
     """(model, data, strategy) of a TorchRec design."""
     from examples.recsys.torchrec_data import ZipfClickDataModule
     from examples.recsys.torchrec_model import TorchRecDLRM
-    from lightning_parallel.strategies.torchrec import TorchRecStrategy
+    from lightning_parallel.strategies.torchrec.strategy import TorchRecStrategy
 
     sizes = [rows] * TABLES
     model = TorchRecDLRM(num_dense=NUM_DENSE, table_sizes=sizes, embedding_dim=DIM, bottom_widths=(64,),
@@ -160,7 +160,7 @@ def table_bytes(design: str, model: Any, strategy: Any, trainer: Any, world: int
         state = _dense_state_bytes(trainer, params)
         formula = 2 * TABLES * -(-rows // world) * DIM * 4
         return {"weights": weights, "state": state, "formula": formula}
-    from lightning_parallel.strategies.torchrec_plan import bytes_per_rank
+    from lightning_parallel.strategies.torchrec.sharding_plan import bytes_per_rank
 
     collection = model.dlrm.sparse_arch.embedding_bag_collection
     weights = sum(local_bytes(v) for k, v in collection.state_dict().items() if k.endswith(".weight"))

@@ -48,7 +48,7 @@ def init_model_parallel_process_group(strategy: Any, default_backend: Optional[s
 
 
 # Why private: Lightning's step redirection through a wrapped module (DeepSpeed's engine)
-# has no public base class; the ZeRO-3 strategy refines it (see strategies/deepspeed_steps.py).
+# has no public base class; the ZeRO-3 strategy refines it (see strategies/deepspeed/steps.py).
 DDPForwardRedirection = _DDPForwardRedirection
 
 

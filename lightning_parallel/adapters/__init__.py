@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightning_parallel.adapters.hugging_face import HuggingFaceAdapter
+from lightning_parallel.adapters.hf.adapter import HuggingFaceAdapter
 from lightning_parallel.parallel.adapter import ModelAdapter
 
 __all__ = ["AdapterCache", "HuggingFaceAdapter", "ModelAdapter", "adapt"]

@@ -2,7 +2,7 @@
 
 The tables are found by type (TorchRec's own convention: its sharders wrap every ``EmbeddingBagCollection``
 of the model and leave the model's code unchanged), initialised the same way under every sharding plan, and
-given their fused optimizer. The Lightning side is :mod:`lightning_parallel.strategies.torchrec`.
+given their fused optimizer. The Lightning side is :mod:`lightning_parallel.strategies.torchrec.strategy`.
 
 Note:
     * TorchRec is optional (``pip install 'lightning_parallel[recsys]'``, then torchrec itself without its

@@ -8,7 +8,7 @@ Read it in the order :func:`~lightning_parallel.parallel.compose.parallelize` ap
 4. :mod:`.precision` -- the mixed-precision policy handed to the data axis;
 5. :mod:`.data` -- FSDP2 over the data axis (replicated, ZeRO-2/3, HSDP);
 
-with :mod:`.options` (the run's options, validated once) and :mod:`.gradients` (clipping over every
+with :mod:`.options` (the run's options, validated once) and :mod:`.grad_norm_clipping` (clipping over every
 axis). Each submodule takes the mesh or process group it works on as an argument; nothing here keeps
 a global, and nothing here imports :mod:`lightning_parallel.adapters`: the model's answers come in as
 arguments. This package imports none of its submodules eagerly, so importing it stays cheap.

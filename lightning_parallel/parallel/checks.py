@@ -19,7 +19,7 @@ from lightning_parallel.parallel.pipeline.cut import check_pipeline
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan
 from lightning_parallel.parallel.pipeline.stages import RemovedLayer
 from lightning_parallel.parallel.tensor.plan import resolve_plan, validate_tensor_parallel
-from lightning_parallel.parallel.token_axes import batch_splits
+from lightning_parallel.parallel.context_and_experts import batch_splits
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -117,3 +117,19 @@ def refuse_parallelized(module: nn.Module) -> None:
             f"{type(module).__name__} was already split or sharded by an earlier run and cannot be parallelised again: "
             "build a fresh module and load the checkpoint into it (ckpt_path=...)."
         )
+
+
+def check_checkpoint_format(options: ParallelOptions, layout: ParallelLayout) -> None:
+    """Refuse a single-file checkpoint under pipelining (rank 0 holds only the first stage).
+
+    Args:
+        options: the run's options (``save_distributed_checkpoint``).
+        layout: the run's layout.
+
+    Raises:
+        ValueError: ``save_distributed_checkpoint=False`` with a pipeline, naming the fix.
+    """
+    if layout.pipeline_parallel_enabled and not options.save_distributed_checkpoint:
+        raise ValueError("save_distributed_checkpoint=False gathers one file on rank 0, which holds only the first "
+                         "pipeline stage: keep save_distributed_checkpoint=True under pipeline parallelism "
+                         "(the folder loads under any layout).")

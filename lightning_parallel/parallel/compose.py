@@ -76,7 +76,7 @@ from lightning_parallel.parallel.precision import fsdp_policy
 from lightning_parallel.parallel.replicated import replicate_module, replicates_plain
 from lightning_parallel.parallel.tensor.gradients import resettle_gradients
 from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel
-from lightning_parallel.parallel.token_axes import ExpertAxis, apply_context, apply_experts, batch_splits
+from lightning_parallel.parallel.context_and_experts import ExpertAxis, apply_context, apply_experts
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -217,12 +217,16 @@ class BuildSettings:
         materialization: device and seed for a model built on ``meta`` (required for one).
         layer_times: per-layer seconds for ``partition="time"`` (the same on every rank).
         on_split: called with the pipeline split once it is known (the strategy prints it).
+        simulated: leave a ``meta`` model on ``meta`` (``lp-simulate``, :mod:`lightning_parallel.planner.simulation`):
+            nothing is allocated or initialised, and where torch's DDP would hold the data axis no wrapper is made
+            (its constructor reads parameter values); every other step runs as in a real run.
     """
 
     precision: str = "32-true"
     materialization: Optional[Materialization] = None
     layer_times: Optional[Sequence[float]] = None
     on_split: Optional[Callable[[PipelineSplit], Any]] = None
+    simulated: bool = False
 
 
 def parallelize(module: nn.Module, *, meshes: RunMeshes, options: ParallelOptions, adapter: ModelAdapter,
@@ -243,7 +247,7 @@ def parallelize(module: nn.Module, *, meshes: RunMeshes, options: ParallelOption
     """
     refuse_parallelized(module)
     layout, mesh = meshes.layout, meshes.run
-    init_plan = _plan_materialization(module, adapter, build.materialization)
+    init_plan = None if build.simulated else _plan_materialization(module, adapter, build.materialization)
     pipe, plan = check_whole(module, layout, options, adapter)
     split, stages, stage_ids, last, tied = _cut(module, layout, options, meshes.rank, build.layer_times, pipe,
                                                 build.on_split)
@@ -260,7 +264,8 @@ def parallelize(module: nn.Module, *, meshes: RunMeshes, options: ParallelOption
         layout=layout, options=options, plan=plan, split=split, stages=tuple(stages), stage_ids=tuple(stage_ids),
         last_stage_rank=last, loss_fn=loss_fn, count_items=count, tied=tuple(tied), adapter=adapter,
         loss_terms=pipe is not None and pipe.loss_terms, context_split=context_split,
-        replicated=_plain_data_axis(module, layout, options, (mesh, meshes.data), build.precision))
+        replicated=None if build.simulated else _plain_data_axis(module, layout, options, (mesh, meshes.data),
+                                                                 build.precision))
 
 
 def _expert_axis(meshes: RunMeshes) -> Optional[ExpertAxis]:

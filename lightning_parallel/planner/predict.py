@@ -35,7 +35,7 @@ from lightning_parallel.planner.memory import (
 from lightning_parallel.planner.schedule_sim import Simulated, rank_orders, simulate
 from lightning_parallel.planner.shapes import ModelShape
 
-_BUCKET = 25 * 2**20  # parallel/gradients.py's all-reduce bucket
+_BUCKET = 25 * 2**20  # parallel/grad_norm_clipping.py's all-reduce bucket
 
 
 @dataclass(frozen=True)

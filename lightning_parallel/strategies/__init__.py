@@ -6,14 +6,14 @@ names) work: Lightning has no entry-point discovery for strategies.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
-from lightning_parallel.strategies.hybrid import HybridParallelStrategy
-from lightning_parallel.strategies.presets import (
+from lightning_parallel.strategies.deepspeed.strategy import DeepSpeedDataParallelStrategy
+from lightning_parallel.strategies.hybrid.strategy import HybridParallelStrategy
+from lightning_parallel.strategies.hybrid.presets import (
     ContextParallelStrategy,
     PipelineParallelStrategy,
     TensorParallelStrategy,
 )
-from lightning_parallel.strategies.torchrec import TorchRecStrategy
+from lightning_parallel.strategies.torchrec.strategy import TorchRecStrategy
 
 STRATEGIES = (DeepSpeedDataParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy,
               ContextParallelStrategy, TorchRecStrategy)

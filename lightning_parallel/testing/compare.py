@@ -114,7 +114,7 @@ class StepRecorder(LossHistory):
         self.lrs: list[float] = []
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        from lightning_parallel.parallel.gradients import total_grad_norm
+        from lightning_parallel.parallel.grad_norm_clipping import total_grad_norm
 
         params = [p for group in optimizer.param_groups for p in group["params"]]
         has_grads = any(p.grad is not None for p in params)

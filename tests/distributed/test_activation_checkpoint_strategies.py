@@ -26,7 +26,7 @@ def _strategy(kind: str, mode: str):
         from lightning_parallel.strategies import PipelineParallelStrategy
 
         return PipelineParallelStrategy(microbatches=2, activation_checkpointing=mode)
-    from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
+    from lightning_parallel.strategies.deepspeed.strategy import DeepSpeedDataParallelStrategy
 
     return DeepSpeedDataParallelStrategy(zero_stage=3, activation_checkpointing=mode)
 

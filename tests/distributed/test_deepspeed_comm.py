@@ -3,7 +3,7 @@
 Counted, never timed: each Trainer step and one raw engine step after it (same model,
 same resolved DeepSpeed config, same process group) run inside a
 :class:`benchmarks.comm.CommCounter`. Before the fix in
-``lightning_parallel/strategies/deepspeed_steps.py`` (``ZeRO3ForwardRedirection``), Lightning's
+``lightning_parallel/strategies/deepspeed/steps.py`` (``ZeRO3ForwardRedirection``), Lightning's
 step redirection entered the LightningModule twice per step, DeepSpeed dropped its
 parameter trace every step, and the Trainer step gathered every parameter twice and
 broadcast 8 times.
@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
+from lightning_parallel.strategies.deepspeed.strategy import DeepSpeedDataParallelStrategy
 from lightning_parallel.testing import run_processes
 from lightning_parallel.testing.models import ResidualMLP, regression_dataset
 

@@ -51,7 +51,7 @@ def _deepspeed_runs(rank: int, world_size: int, root: str) -> dict:
     """Per case: the uninterrupted 2-epoch losses, the 1-epoch run that checkpoints, and its live optimizer state."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
+    from lightning_parallel.strategies.deepspeed.strategy import DeepSpeedDataParallelStrategy
 
     out = {}
     for stage, optimizer in CASES:

@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
+from lightning_parallel.strategies.deepspeed.strategy import DeepSpeedDataParallelStrategy
 from lightning_parallel.testing import LossHistory, max_abs_difference, run_processes
 from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
 from tests.distributed.parity_runs import SAMPLES, fit_losses

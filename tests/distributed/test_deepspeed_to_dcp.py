@@ -66,7 +66,7 @@ def _deepspeed_runs(rank: int, world_size: int, root: str) -> dict:
     """Per case: the uninterrupted 2-epoch losses, the 1-epoch run that checkpoints, and its live optimizer state."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
+    from lightning_parallel.strategies.deepspeed.strategy import DeepSpeedDataParallelStrategy
 
     out = {}
     for stage, optimizer in CASES:
@@ -107,7 +107,7 @@ def _resume_single(
 
 
 def _resume_pipeline(rank: int, world_size: int, root: str, names: list[tuple[str, str]]) -> dict[str, list[float]]:
-    from lightning_parallel.strategies.presets import PipelineParallelStrategy
+    from lightning_parallel.strategies.hybrid.presets import PipelineParallelStrategy
 
     return {folder: _fit(world_size, PipelineParallelStrategy(pipeline_parallel_size=2), 2, optimizer=optimizer,
                          ckpt_path=str(Path(root) / folder), seed=1)[0]

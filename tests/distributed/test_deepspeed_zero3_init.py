@@ -77,7 +77,7 @@ def _fit(rank: int, world_size: int, strategy: object) -> dict:
 
 
 def _zero3(rank: int, world_size: int) -> dict:
-    from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
+    from lightning_parallel.strategies.deepspeed.strategy import DeepSpeedDataParallelStrategy
 
     return _fit(rank, world_size, DeepSpeedDataParallelStrategy(zero_stage=3))
 
@@ -145,7 +145,7 @@ class _SeededBuild(DeferredResidualMLP):
 
 
 def _seeded_zero3(rank: int, world_size: int) -> dict:
-    from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
+    from lightning_parallel.strategies.deepspeed.strategy import DeepSpeedDataParallelStrategy
 
     pl.seed_everything(SEED, verbose=False)
     module = _SeededBuild(optimizer="sgd")

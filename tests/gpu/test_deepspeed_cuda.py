@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
+from lightning_parallel.strategies.deepspeed.strategy import DeepSpeedDataParallelStrategy
 from lightning_parallel.testing import LossHistory, run_processes
 from lightning_parallel.testing.fit import quiet_trainer
 from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_parallel.adapters.hugging_face import HF_KEY
+from lightning_parallel.adapters.hf.adapter import HF_KEY
 
 
 def _config_from(entry_config: Any) -> Any:

@@ -124,7 +124,7 @@ class ExpertParallel(nn.Module):
 
     def record_load(self, local_counts: Tensor) -> None:
         """Add a training forward's rows per local expert to ``first_step_load`` until the load is reported (the
-        start-up report of the first step, ``strategies/expert_load.py``).
+        start-up report of the first step, ``strategies/hybrid/expert_load_report.py``).
 
         Args:
             local_counts: ``[E/ep]`` rows that reached each of this rank's experts.

@@ -2,7 +2,7 @@
 
 A plan may name a style the way ``transformers`` does (``colwise_gather_output``, ``rowwise_split_input``):
 in a Hugging Face model's own ``tp_plan`` and in a user's ``plan=`` override alike. This is vocabulary
-only -- which model holds which plan is the adapter's business (:mod:`lightning_parallel.adapters.hf_tensor`);
+only -- which model holds which plan is the adapter's business (:mod:`lightning_parallel.adapters.hf.tensor`);
 a style the suite cannot run becomes a :class:`RefusedStyle` that raises only if nothing replaces it.
 """
 

@@ -25,7 +25,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_parallel.adapters.hf_context import descriptor  # noqa: E402
+from lightning_parallel.adapters.hf.context import descriptor  # noqa: E402
 from lightning_parallel.strategies import HybridParallelStrategy  # noqa: E402
 from lightning_parallel.testing import LossHistory, max_abs_difference, run_processes  # noqa: E402
 from lightning_parallel.testing.fit import quiet_trainer  # noqa: E402

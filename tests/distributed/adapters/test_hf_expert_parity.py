@@ -11,8 +11,8 @@ under dp4/ep4 are also built on ``meta`` in ``configure_model`` (each rank mater
 included, with the model's own initialiser).
 
 With ``output_router_logits=True`` (weight 0.1) the model's own balancing loss is made global over the data ranks
-(:mod:`lightning_parallel.adapters.hf_router_loss`): Qwen3-MoE dp2/ep2, Mixtral dp4/ep2 and dp2 x tp2/ep2; and
-through a ``gpipe`` pipeline schedule (:mod:`lightning_parallel.adapters.hf_router_pipeline`): Mixtral pp2, Mixtral
+(:mod:`lightning_parallel.adapters.hf.router_loss`): Qwen3-MoE dp2/ep2, Mixtral dp4/ep2 and dp2 x tp2/ep2; and
+through a ``gpipe`` pipeline schedule (:mod:`lightning_parallel.adapters.hf.router_pipeline`): Mixtral pp2, Mixtral
 and Qwen3-MoE dp2 x pp2/ep2 (its gradient left off, measured by hand: 2.2e-2 off under pp2); and Qwen3-MoE dp2/ep2
 with activation checkpointing (the dispatch recomputed in the backward).
 
@@ -32,7 +32,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from lightning_parallel.adapters import adapt  # noqa: E402
-from lightning_parallel.adapters.hf_experts import expert_shards  # noqa: E402
+from lightning_parallel.adapters.hf.experts import expert_shards  # noqa: E402
 from lightning_parallel.protocol import seeded_init  # noqa: E402
 from lightning_parallel.strategies import HybridParallelStrategy  # noqa: E402
 from lightning_parallel.testing import LossHistory, max_abs_difference, run_processes  # noqa: E402

@@ -24,9 +24,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_parallel.adapters.hf import causal_lm_valid_count  # noqa: E402
+from lightning_parallel.adapters.hf.model import causal_lm_valid_count  # noqa: E402
 from lightning_parallel.strategies import HybridParallelStrategy  # noqa: E402
-from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy  # noqa: E402
+from lightning_parallel.strategies.deepspeed.strategy import DeepSpeedDataParallelStrategy  # noqa: E402
 from lightning_parallel.testing import LossHistory, max_abs_difference, run_processes  # noqa: E402
 from lightning_parallel.testing.fit import quiet_trainer  # noqa: E402
 from lightning_parallel.testing.models import FixedOrderData  # noqa: E402

@@ -26,12 +26,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_parallel.adapters.hf import causal_lm_loss_terms, causal_lm_valid_count
+from lightning_parallel.adapters.hf.model import causal_lm_loss_terms, causal_lm_valid_count
 from lightning_parallel.layout import DATA_PARALLEL, PIPELINE_PARALLEL, ParallelLayout
 from lightning_parallel.adapters import adapt
 from lightning_parallel.layout.meshes import RunMeshes
 from lightning_parallel.parallel.compose import parallelize
-from lightning_parallel.parallel.gradients import total_grad_norm
+from lightning_parallel.parallel.grad_norm_clipping import total_grad_norm
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.parallel.pipeline.tied import TIED_COPY_ATTR

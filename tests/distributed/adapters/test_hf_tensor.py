@@ -123,7 +123,7 @@ def untied_control(rank: int) -> list[float]:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from lightning_parallel.parallel.gradients import clip_grad_norm_
+    from lightning_parallel.parallel.grad_norm_clipping import clip_grad_norm_
     from lightning_parallel.adapters import adapt
     from lightning_parallel.parallel.tensor.plan import resolve_plan
 

@@ -73,7 +73,7 @@ def _single_process(rank, world_size, root):
 
 
 def _two_process_sources(rank, world_size, root):
-    from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
+    from lightning_parallel.strategies.deepspeed.strategy import DeepSpeedDataParallelStrategy
 
     _fit(2, "ddp", 1, callbacks=[_saver(root, "ddp")])
     for stage in (2, 3):

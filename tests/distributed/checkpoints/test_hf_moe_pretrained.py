@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers", reason="pip install -e '.[hf]
 from benchmarks.hf_coverage.cells import GLOBAL_BATCH, padded_batches  # noqa: E402
 from benchmarks.hf_coverage.tiny import tiny_config  # noqa: E402
 from examples.nlp.hf_causal_lm import HFCausalLM  # noqa: E402
-from lightning_parallel.adapters.hf_experts import expert_shards  # noqa: E402
+from lightning_parallel.adapters.hf.experts import expert_shards  # noqa: E402
 from lightning_parallel.callbacks import HuggingFaceWeights  # noqa: E402
 from lightning_parallel.cli.convert import main as lp_convert  # noqa: E402
 from lightning_parallel.strategies import HybridParallelStrategy as Hybrid  # noqa: E402

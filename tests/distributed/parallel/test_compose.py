@@ -21,7 +21,7 @@ from lightning_parallel.adapters import adapt
 from lightning_parallel.layout.meshes import RunMeshes
 from lightning_parallel.parallel.compose import parallelize
 from lightning_parallel.parallel.data import deferred_gradient_sync
-from lightning_parallel.parallel.gradients import clip_grad_norm_
+from lightning_parallel.parallel.grad_norm_clipping import clip_grad_norm_
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.testing import max_abs_difference, run_processes

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from examples.nlp.model import GPT
 from lightning_parallel.adapters import adapt
-from lightning_parallel.parallel.gradients import clip_grad_norm_
+from lightning_parallel.parallel.grad_norm_clipping import clip_grad_norm_
 from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, loss_parallel_context, resolve_plan
 from lightning_parallel.testing.models import OPTIMIZERS
 

@@ -16,7 +16,7 @@ GLOBAL_BATCH, SEQ_LEN, TOP_K = 8, 16, 2
 
 
 def _copies_on_the_first_step(rank, world_size, options):
-    from lightning_parallel.strategies import expert_load
+    from lightning_parallel.strategies.hybrid import expert_load_report as expert_load
 
     seen = []
     original = expert_load._global_load

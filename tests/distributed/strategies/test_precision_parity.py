@@ -33,7 +33,7 @@ from lightning_parallel.parallel.data import shard_data_axis
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, resolve_plan
 from lightning_parallel.strategies import HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
-from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
+from lightning_parallel.strategies.deepspeed.strategy import DeepSpeedDataParallelStrategy
 from lightning_parallel.testing import max_abs_difference, run_processes
 from tests.distributed.parallel.tp_runs import batches, tiny_gpt
 from tests.distributed.parity_runs import fit_cases

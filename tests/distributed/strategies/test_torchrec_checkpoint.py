@@ -39,7 +39,7 @@ def fit_dlrm(rank: int, world_size: int, sharding: str, steps: int, save_to: str
     from examples.recsys.torchrec_data import ZipfClickDataModule
     from examples.recsys.torchrec_model import TorchRecDLRM
     from lightning_parallel.callbacks import ExactDataResume
-    from lightning_parallel.strategies.torchrec import TorchRecStrategy
+    from lightning_parallel.strategies.torchrec.strategy import TorchRecStrategy
     from lightning_parallel.testing.fit import quiet_trainer
     from lightning_parallel.testing.parity import LossHistory
 
@@ -99,8 +99,8 @@ def table_optimizer_states(rank: int, world_size: int, cases: dict[str, dict]) -
     from examples.recsys.torchrec_model import TorchRecDLRM
     from lightning_parallel.adapters.torchrec import _local_regions
     from lightning_parallel.callbacks import ExactDataResume
-    from lightning_parallel.strategies.torchrec import TorchRecStrategy
-    from lightning_parallel.strategies.torchrec_replicated import TableOptimizers
+    from lightning_parallel.strategies.torchrec.strategy import TorchRecStrategy
+    from lightning_parallel.strategies.torchrec.replicated import TableOptimizers
     from lightning_parallel.testing.fit import quiet_trainer
 
     def pieces(strategy) -> dict[str, list]:

@@ -25,7 +25,7 @@ TABLE_SIZES = (1000, 500, 64, 32)
 
 
 def _strategy(case: dict):
-    from lightning_parallel.strategies.torchrec import TorchRecStrategy
+    from lightning_parallel.strategies.torchrec.strategy import TorchRecStrategy
 
     class UndividedTableGradients(TorchRecStrategy):
         """Negative control: table gradients are summed over ranks instead of averaged."""

@@ -42,7 +42,7 @@ def _local_tables(module) -> dict[str, list]:
 
 
 def _strategy(case: dict):
-    from lightning_parallel.strategies.torchrec import TorchRecStrategy
+    from lightning_parallel.strategies.torchrec.strategy import TorchRecStrategy
 
     if case.get("lightning"):
         return case["lightning"]  # Lightning's own strategy: the recipe must not need the suite's

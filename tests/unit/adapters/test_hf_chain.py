@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from lightning_parallel.adapters import adapt
-from lightning_parallel.adapters.hf_chain import read_chain
-from lightning_parallel.adapters.hf_pipeline import describe_blocks
+from lightning_parallel.adapters.hf.chain import read_chain
+from lightning_parallel.adapters.hf.pipeline import describe_blocks
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallel.compose import check_module
 from lightning_parallel.parallel.options import ParallelOptions
@@ -74,7 +74,7 @@ def test_scalars_around_the_block_chain_are_applied_where_forward_applies_them(f
 
 def test_granite_without_its_scalars_would_be_refused_by_the_chain_check(monkeypatch):
     """The negative control: the chain without the steps is 1.3+ off forward (the issue's refusal)."""
-    from lightning_parallel.adapters import hf_pipeline
+    from lightning_parallel.adapters.hf import pipeline as hf_pipeline
 
     module = build("granite", embedding_multiplier=12.0, logits_scaling=8.0)
     chained, logits = chain_and_forward(module)

@@ -10,7 +10,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from lightning_parallel.adapters import adapt  # noqa: E402
-from lightning_parallel.adapters.hf_context import (  # noqa: E402
+from lightning_parallel.adapters.hf.context import (  # noqa: E402
     apply_hf_context,
     check_hf_context,
     context_attention_function,
@@ -19,7 +19,7 @@ from lightning_parallel.adapters.hf_context import (  # noqa: E402
     shifted_labels,
     split_hf_batch,
 )
-from lightning_parallel.adapters.hf_loss import valid_count  # noqa: E402
+from lightning_parallel.adapters.hf.loss import valid_count  # noqa: E402
 from lightning_parallel.parallel.context.plan import ContextGroup  # noqa: E402
 
 VOCAB, SEQ, CP = 64, 16, 2

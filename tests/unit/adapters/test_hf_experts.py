@@ -17,7 +17,7 @@ import torch.distributed as dist
 transformers = pytest.importorskip("transformers")
 
 from lightning_parallel.adapters import adapt  # noqa: E402
-from lightning_parallel.adapters.hf_experts import (  # noqa: E402
+from lightning_parallel.adapters.hf.experts import (  # noqa: E402
     HFExpertParallel,
     apply_hf_experts,
     check_hf_experts,
@@ -98,7 +98,7 @@ def test_an_expert_count_the_size_does_not_divide_is_refused_with_the_sizes_that
 
 
 def test_experts_the_suite_does_not_compute_are_refused_by_layout_then_by_family(monkeypatch):
-    from lightning_parallel.adapters import hf_experts
+    from lightning_parallel.adapters.hf import experts as hf_experts
 
     config = transformers.GptOssConfig(**{**SMALL, "num_attention_heads": 4, "head_dim": 8}, num_local_experts=4,
                                        num_experts_per_tok=2, layer_types=["full_attention"] * 2)

@@ -16,8 +16,8 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from lightning_parallel.adapters import adapt  # noqa: E402
-from lightning_parallel.adapters.hf import causal_lm_loss_terms, causal_lm_valid_count  # noqa: E402
-from lightning_parallel.adapters.hf_loss import TokenWeightedLoss  # noqa: E402
+from lightning_parallel.adapters.hf.model import causal_lm_loss_terms, causal_lm_valid_count  # noqa: E402
+from lightning_parallel.adapters.hf.loss import TokenWeightedLoss  # noqa: E402
 
 VOCAB, SEQ = 64, 12
 

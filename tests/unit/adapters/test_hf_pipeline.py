@@ -170,7 +170,7 @@ def test_a_tie_within_one_rank_stays_one_parameter():
 
 
 def test_a_sliding_window_is_mirrored_and_a_wrong_mask_is_caught_by_the_chain_check(monkeypatch):
-    from lightning_parallel.adapters import hf_pipeline
+    from lightning_parallel.adapters.hf import pipeline as hf_pipeline
 
     config = transformers.MistralConfig(**SHAPE, sliding_window=4)  # shorter than the check's rows of 8 tokens
     torch.manual_seed(0)

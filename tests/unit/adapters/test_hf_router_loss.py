@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_parallel.adapters.hf_router_loss import (  # noqa: E402
+from lightning_parallel.adapters.hf.router_loss import (  # noqa: E402
     GlobalRouterLoss,
     check_router_loss_split,
     routing_statistics,

@@ -10,8 +10,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from lightning_parallel.adapters import adapt
-from lightning_parallel.adapters.hf_styles import SumGradientsOnUse
-from lightning_parallel.adapters.hf_tensor import ADAPTER_STYLES, HF_STYLES, REFUSED_STYLES, RefusedStyle
+from lightning_parallel.adapters.hf.styles import SumGradientsOnUse
+from lightning_parallel.adapters.hf.tensor import ADAPTER_STYLES, HF_STYLES, REFUSED_STYLES, RefusedStyle
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallel.compose import check_module
 from lightning_parallel.parallel.options import ParallelOptions

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from lightning_parallel.adapters import adapt
-from lightning_parallel.adapters.hf_styles import MlaKvAProj, SumGradientsOnUse
+from lightning_parallel.adapters.hf.styles import MlaKvAProj, SumGradientsOnUse
 from lightning_parallel.parallel.tensor.plan import loss_head, resolve_plan, validate_tensor_parallel
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[hf]'")

@@ -3,7 +3,7 @@
 Mixtral with ``output_router_logits=True`` adds ``router_aux_loss_coef * load_balancing_loss`` to its loss;
 the balancing loss is formed from the routing statistics of the tokens the forward sees, so pipeline and
 context parallelism would each form it on part of the batch (and the pipeline's stages would drop it). Data
-parallelism sums the statistics over the ranks first (``adapters/hf_router_loss.py``), and tensor parallelism
+parallelism sums the statistics over the ranks first (``adapters/hf/router_loss.py``), and tensor parallelism
 keeps the batch whole on every rank, so both are allowed.
 """
 
@@ -14,7 +14,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from lightning_parallel.layout import ParallelLayout  # noqa: E402
-from lightning_parallel.parallel.compose import batch_splits, check_module  # noqa: E402
+from lightning_parallel.parallel.compose import check_module  # noqa: E402
+from lightning_parallel.parallel.context_and_experts import batch_splits  # noqa: E402
 from lightning_parallel.parallel.options import ParallelOptions  # noqa: E402
 
 

@@ -213,7 +213,7 @@ def test_the_hugging_face_entry_names_the_model_its_prefix_and_config():
 
 
 def test_the_deepspeed_strategy_refuses_other_writers_with_the_fix(trained):
-    from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
+    from lightning_parallel.strategies.deepspeed.strategy import DeepSpeedDataParallelStrategy
 
     root, module, optim = trained
     strategy = DeepSpeedDataParallelStrategy(zero_stage=2)

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers", reason="pip install -e '.[hf]
 
 from benchmarks.hf_coverage.tiny import tiny_config  # noqa: E402
 from lightning_parallel.adapters import adapt  # noqa: E402
-from lightning_parallel.adapters.hf_experts import EXPERT_FAMILIES  # noqa: E402
+from lightning_parallel.adapters.hf.experts import EXPERT_FAMILIES  # noqa: E402
 from lightning_parallel.checkpoints.hf.export import export_hf_folder  # noqa: E402
 from lightning_parallel.checkpoints.hf.load import load_hf_weights, match_folder  # noqa: E402
 

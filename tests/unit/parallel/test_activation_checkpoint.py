@@ -128,7 +128,7 @@ def test_choices_that_would_checkpoint_nothing_are_refused_before_any_process():
 
 def test_strategies_take_the_option_and_show_it_at_start_up():
     from lightning_parallel.strategies import HybridParallelStrategy
-    from lightning_parallel.strategies.deepspeed import DeepSpeedDataParallelStrategy
+    from lightning_parallel.strategies.deepspeed.strategy import DeepSpeedDataParallelStrategy
 
     strategy = HybridParallelStrategy(data_parallel_size=1, activation_checkpointing="selective")
     assert strategy.options.activation_checkpointing == "selective"

@@ -9,7 +9,7 @@ from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.precision import check_precision, describe_precision, fsdp_policy, upcast_for_reduction
 from lightning_parallel.parallel.tensor.styles import SumGradients
-from lightning_parallel.strategies.deepspeed_config import apply_precision
+from lightning_parallel.strategies.deepspeed.config import apply_precision
 
 DP2 = ParallelLayout(2, 2, 1, 1)
 TP2 = ParallelLayout(2, 1, 1, 2)

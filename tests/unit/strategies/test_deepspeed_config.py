@@ -10,8 +10,8 @@ import pytest
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lightning_parallel.parallel.options import DEFAULT_TIMEOUT
-from lightning_parallel.strategies.deepspeed import REGISTERED, DeepSpeedDataParallelStrategy
-from lightning_parallel.strategies.deepspeed_config import apply_precision, apply_trainer_settings, build_zero_config
+from lightning_parallel.strategies.deepspeed.strategy import REGISTERED, DeepSpeedDataParallelStrategy
+from lightning_parallel.strategies.deepspeed.config import apply_precision, apply_trainer_settings, build_zero_config
 
 
 def test_timeout_defaults_to_the_suite_default_and_takes_seconds():

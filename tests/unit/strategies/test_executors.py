@@ -11,9 +11,9 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from lightning_parallel.adapters import adapt  # noqa: E402
-from lightning_parallel.adapters.hf_loss import TokenWeightedLoss  # noqa: E402
+from lightning_parallel.adapters.hf.loss import TokenWeightedLoss  # noqa: E402
 from lightning_parallel.layout import DATA_PARALLEL  # noqa: E402
-from lightning_parallel.strategies.executors import DirectExecutor, choose_executor  # noqa: E402
+from lightning_parallel.strategies.hybrid.executors import DirectExecutor, choose_executor  # noqa: E402
 
 
 def _holder(accumulation: int = 1) -> nn.Module:

@@ -2,7 +2,7 @@
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallel.options import ParallelOptions
-from lightning_parallel.strategies.startup_rows import layout_rows
+from lightning_parallel.strategies.hybrid.startup_rows import layout_rows
 
 
 def test_zero_0_alone_is_reported_as_ddp_and_beside_tensor_parallelism_as_fsdp2():

@@ -12,8 +12,8 @@ pytest.importorskip("torchrec")
 pytest.importorskip("fbgemm_gpu")
 
 from lightning_parallel.adapters.torchrec import INIT_BLOCK_ROWS, fill_table_region, require_torchrec  # noqa: E402
-from lightning_parallel.strategies.torchrec import TorchRecStrategy  # noqa: E402
-from lightning_parallel.strategies.torchrec_plan import (  # noqa: E402
+from lightning_parallel.strategies.torchrec.strategy import TorchRecStrategy  # noqa: E402
+from lightning_parallel.strategies.torchrec.sharding_plan import (  # noqa: E402
     bytes_per_rank,
     check_runnable,
     format_plan,

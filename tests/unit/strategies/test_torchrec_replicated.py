@@ -12,7 +12,7 @@ pytest.importorskip("fbgemm_gpu")
 
 from torchrec.optim import RowWiseAdagrad  # noqa: E402
 
-from lightning_parallel.strategies.torchrec_replicated import (  # noqa: E402
+from lightning_parallel.strategies.torchrec.replicated import (  # noqa: E402
     check_replicated_optimizers,
     dense_twin,
 )

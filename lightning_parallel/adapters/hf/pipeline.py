@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_parallel import _compat
-from lightning_parallel.adapters.hf_chain import LAYER_KEYWORDS, Chain, apply_ops, read_chain
+from lightning_parallel.adapters.hf.chain import LAYER_KEYWORDS, Chain, apply_ops, read_chain
 from lightning_parallel.parallel.pipeline.stages import StageModule
 
 SIDE_INPUTS = ("attention_mask", "position_ids")

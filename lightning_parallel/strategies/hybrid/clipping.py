@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_parallel.parallel import gradients
+from lightning_parallel.parallel import grad_norm_clipping as gradients
 
 _OWN = frozenset({"clip_grad_by_norm", "clip_grad_by_value", "clip_gradients", "check_norm_once"})
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_parallel.adapters.hf_router_loss import routing_statistics
+from lightning_parallel.adapters.hf.router_loss import routing_statistics
 
 
 class _RouterGradient(torch.autograd.Function):

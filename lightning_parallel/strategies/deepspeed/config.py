@@ -1,6 +1,6 @@
 """The DeepSpeed config of a ZeRO run, built from its three sources (no Lightning inside).
 
-:class:`lightning_parallel.strategies.deepspeed.DeepSpeedDataParallelStrategy` calls these
+:class:`lightning_parallel.strategies.deepspeed.strategy.DeepSpeedDataParallelStrategy` calls these
 functions; they take plain values, so the rules are unit-tested without a Trainer.
 
 Sources, in a fixed order of authority:
@@ -88,7 +88,7 @@ def _offload_enabled(block: Any) -> bool:
     return isinstance(block, Mapping) and str(block.get("device", "none")).lower() not in ("none", "")
 
 
-def resolve_zero_stage(zero_stage: Optional[int], stage: Optional[int] = None) -> int:
+def chosen_zero_stage(zero_stage: Optional[int], stage: Optional[int] = None) -> int:
     """The ZeRO stage from ``zero_stage`` and its deprecated former name ``stage`` (a ``FutureWarning``).
 
     Args:

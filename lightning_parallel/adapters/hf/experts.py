@@ -119,7 +119,7 @@ def _refuse_layout(model: nn.Module, name: str, experts: nn.Module) -> None:
         raise ValueError(
             f"expert parallelism on {owner} ({_family(model)}): the suite shards the experts of the "
             f"{len(EXPERT_FAMILIES)} families measured equal to one process (EXPERT_FAMILIES in "
-            f"lightning_parallel/adapters/hf_experts.py; docs/hf-coverage.md); {_family(model)}'s experts module "
+            f"lightning_parallel/adapters/hf/experts.py; docs/hf-coverage.md); {_family(model)}'s experts module "
             f"{type(experts).__name__} is not among them (its activation may be called differently). Use one of "
             "those families, or set expert_parallel_size=1."
         )

@@ -1,6 +1,6 @@
 """The hybrid strategy's checkpoint writing and reading: a sharded DCP folder out, any writer the suite reads in.
 
-Kept beside :mod:`lightning_parallel.strategies.hybrid` so that module stays Lightning's lifecycle; the work
+Kept beside :mod:`lightning_parallel.strategies.hybrid.strategy` so that module stays Lightning's lifecycle; the work
 itself is :mod:`lightning_parallel.checkpoints`.
 """
 

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_parallel import _compat
-from lightning_parallel.adapters.hf import IGNORE_INDEX
+from lightning_parallel.adapters.hf.model import IGNORE_INDEX
 from lightning_parallel.parallel.context.plan import ContextGroup, SequenceSplit
 
 # Config keys of a dropout probability outside attention (StarCoder2's residual_dropout, GPT-NeoX's hidden_dropout,
@@ -86,7 +86,7 @@ def check_hf_context(model: nn.Module, method: str, size: int, tensor_size: int 
     Raises:
         ValueError: naming what is missing and the way out.
     """
-    from lightning_parallel.adapters.hf_loss import is_causal_lm
+    from lightning_parallel.adapters.hf.loss import is_causal_lm
     from lightning_parallel.parallel.context import METHODS, check_heads
 
     cls, config = type(model).__name__, model.config

@@ -1,10 +1,10 @@
-"""The general strategy: data x pipeline x tensor parallelism on one 3-D DeviceMesh.
+"""The general strategy: data x context x pipeline x tensor x expert parallelism on one mesh.
 
-Pipeline-only, tensor-only and data-only training are this class with sizes of 1
-(:mod:`lightning_parallel.strategies.presets` names them). This module is Lightning's
-lifecycle only: the process group and mesh (``setup_environment``), one call to
-:func:`~lightning_parallel.parallel.compose.parallelize` and the choice of a step executor
-(``setup``), collectives, and checkpoint delegation to :mod:`lightning_parallel.checkpoints`.
+Pipeline-only, tensor-only and context-only training are this class with sizes of 1 (:mod:`.presets` names them).
+This module is Lightning's lifecycle only: the process group and the run's meshes (``setup_environment``), one call
+into the engine (``setup``: :mod:`.build`) and the choice of a step executor (:mod:`.executors`), the after-backward
+steps (:mod:`.after_backward`), fault tolerance's hooks (:mod:`.replica_hooks`), and checkpoints
+(:mod:`.checkpoints`).
 """
 
 from __future__ import annotations
@@ -25,49 +25,43 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _compat
-from lightning_parallel.adapters import ModelAdapter
 from lightning_parallel.fault_tolerance.options import FaultTolerance
 from lightning_parallel.fault_tolerance.replicas import ReplicaGroups
 from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout
 from lightning_parallel.layout.meshes import RunMeshes
-from lightning_parallel.parallel.compose import BuildSettings, Parallelized, check_module, parallelize
+from lightning_parallel.parallel.checks import check_checkpoint_format
+from lightning_parallel.parallel.compose import Parallelized, check_module
 from lightning_parallel.parallel.data import deferred_gradient_sync
-from lightning_parallel.parallel.local_step import step_on_local_shards
-from lightning_parallel.parallel.materialize import Materialization
 from lightning_parallel.parallel.options import ParallelOptions, options_from
-from lightning_parallel.parallel.pipeline import tied as pipeline_tied
 from lightning_parallel.parallel.pipeline.chain_check import on_meta
-from lightning_parallel.parallel.pipeline.stages import PipelineSplit
 from lightning_parallel.parallel.precision import check_precision
-from lightning_parallel.strategies import executors
-from lightning_parallel.strategies.clipping import GlobalNormClipping
-from lightning_parallel.strategies.hybrid_checkpoints import (
+from lightning_parallel.strategies.hybrid import executors
+from lightning_parallel.strategies.hybrid.after_backward import AfterBackward, after_backward_steps, step_with
+from lightning_parallel.strategies.hybrid.build import build_parallelized, prepare_optimizers
+from lightning_parallel.strategies.hybrid.checkpoints import (
     HybridCheckpointIO,
     checked_load_optimizer_state,
     unwrap_optimizer,
 )
-from lightning_parallel.strategies.layer_timing import agreed_layer_times
+from lightning_parallel.strategies.hybrid.clipping import GlobalNormClipping
+from lightning_parallel.strategies.hybrid.replica_hooks import replica_hooks
+from lightning_parallel.strategies.hybrid.resume_order import resumed_shuffle_notice
+from lightning_parallel.strategies.hybrid.run_views import HybridRunViews
+from lightning_parallel.strategies.hybrid.timeouts import CollectiveTimeout, names_timeouts
 from lightning_parallel.strategies.reduction import ReduceWithoutBarrier
-from lightning_parallel.strategies.resolved_adapter import resolved_adapter
-from lightning_parallel.strategies.after_backward import AfterBackward, after_backward_steps
-from lightning_parallel.strategies.resume_order import resumed_shuffle_notice
-from lightning_parallel.strategies.timeouts import CollectiveTimeout, names_timeouts
 
 __all__ = ["CollectiveTimeout", "HybridParallelStrategy"]
 
 
-class HybridParallelStrategy(HybridCheckpointIO, ReduceWithoutBarrier, ModelParallelStrategy):
+class HybridParallelStrategy(HybridRunViews, HybridCheckpointIO, ReduceWithoutBarrier, ModelParallelStrategy):
     """Data x context x pipeline x tensor parallelism (experts borrowing data x context ranks) on one mesh.
 
-    Lightning's lifecycle only: ``setup_environment`` builds the process group and the run's
-    :class:`~lightning_parallel.layout.meshes.RunMeshes` (``self.meshes``; ``self.device_mesh`` is its run view);
-    ``configure_model`` runs next (on ``meta`` by default); ``setup`` resolves the model's adapter once and calls
-    :func:`~lightning_parallel.parallel.compose.parallelize`, which splits the module into this rank's pipeline
-    stages, shards them by the tensor plan, and wraps the data axis (``zero_stage`` 0: DDP or replicated FSDP2;
-    2/3: FSDP2 sharding), then picks the step executor. Under pipelining the executor runs the schedule: the module's
-    ``training_step``/``validation_step`` are not called; ``train_loss``/``val_loss`` are logged from its pipeline
-    loss terms (the global-batch mean, the same on every rank); ``predict_step`` returns outputs on every rank.
-    Checkpoints: :class:`~lightning_parallel.strategies.hybrid_checkpoints.HybridCheckpointIO`.
+    ``setup_environment`` builds the process group and the run's :class:`~lightning_parallel.layout.meshes.RunMeshes`
+    (``self.meshes``; ``self.device_mesh`` is its run view); ``configure_model`` runs next (on ``meta`` by default);
+    ``setup`` calls :func:`~lightning_parallel.parallel.compose.parallelize` once (this rank's pipeline stages, sharded
+    by the tensor plan, the data axis wrapped: DDP at ``zero_stage`` 0, FSDP2 at 2/3) and picks the step executor.
+    Under pipelining the executor runs the schedule: ``training_step``/``validation_step`` are not called;
+    ``train_loss``/``val_loss`` are logged from the pipeline's loss terms (the global-batch mean on every rank).
 
     Args:
         options: see :class:`~lightning_parallel.parallel.options.ParallelOptions` (sizes, ``zero_stage``,
@@ -90,6 +84,7 @@ class HybridParallelStrategy(HybridCheckpointIO, ReduceWithoutBarrier, ModelPara
         self.load_optimizer_state = checked_load_optimizer_state(load_optimizer_state)
         ft = FaultTolerance.from_config(fault_tolerance)
         self.replica_groups: Optional[ReplicaGroups] = ReplicaGroups(ft) if ft is not None else None
+        self._replicas = replica_hooks(self.replica_groups)  # the same hooks with fault tolerance or without
         self.options = options_from(options, option_kwargs, type(self).__name__)
         super().__init__(
             data_parallel_size=self.options.data_parallel_size,
@@ -106,25 +101,6 @@ class HybridParallelStrategy(HybridCheckpointIO, ReduceWithoutBarrier, ModelPara
         self._executor: executors.DirectExecutor = executors.DirectExecutor()
         self._after_backward: list[AfterBackward] = []
 
-    # --- layout ----------------------------------------------------------------------
-    def resolve_layout(
-        self, world_size: int, names: Optional[dict[str, str]] = None, num_nodes: Optional[int] = None
-    ) -> ParallelLayout:
-        """The data x pipeline x tensor layout for ``world_size`` ranks (no processes needed).
-
-        Args:
-            world_size: processes in the run.
-            names: how errors spell the settings (default: this strategy's argument names).
-            num_nodes: nodes in the run, for the messages (default: the strategy's).
-        """
-        return self.options.layout(world_size, names, num_nodes or self.num_nodes)
-
-    def startup_rows(self, layout: ParallelLayout) -> dict[str, str]:
-        """Strategy rows of the start-up table (see :mod:`lightning_parallel.cli.report`)."""
-        from lightning_parallel.strategies.startup_rows import layout_rows
-
-        return layout_rows(self.options, layout, str(self.precision_plugin.precision))
-
     @property
     @override
     def device_mesh(self) -> Any:
@@ -132,39 +108,14 @@ class HybridParallelStrategy(HybridCheckpointIO, ReduceWithoutBarrier, ModelPara
             raise RuntimeError("The device mesh exists only after setup_environment (once processes are initialised).")
         return self._mesh
 
-    @property
-    def meshes(self) -> RunMeshes:
-        """Every mesh and process group of the run, asked by axis name (after ``setup_environment``)."""
-        if self._meshes is None:
-            raise RuntimeError("The meshes exist only after setup_environment (once processes are initialised).")
-        return self._meshes
-
-    def loss_group(self) -> tuple[Optional[Any], int]:
-        """``(group, size)`` of the ranks a loss is averaged over (data x context; see ``RunMeshes.loss_group``)."""
-        return self.meshes.loss_group()
-
-    @property
-    def pipeline_split(self) -> Optional[PipelineSplit]:
-        """Which layers each pipeline stage owns (None without pipelining or before ``setup``)."""
-        return getattr(self.parallelized, "split", None)
-
-    @property
-    def pipeline_runner(self) -> Any:  # the executor's PipelineRunner (parallel/pipeline/runner.py); None without
-        return getattr(self._executor, "runner", None)
-
-    # --- Lightning lifecycle ---------------------------------------------------------
     @override
     def setup_environment(self) -> None:
         # Validate against the module before any process group exists: errors name the fix
         # instead of surfacing as a hang or a shape error inside a collective.
         self.layout = self.resolve_layout(self.num_processes * self.num_nodes)
-        if self.layout.pipeline_parallel_enabled and not self.options.save_distributed_checkpoint:
-            raise ValueError("save_distributed_checkpoint=False gathers one file on rank 0, which holds only the first "
-                             "pipeline stage: keep save_distributed_checkpoint=True under pipeline parallelism "
-                             "(the folder loads under any layout).")
-        already = self._parallelized_module is not None and self._parallelized_module() is self.lightning_module
+        check_checkpoint_format(self.options, self.layout)
         # else checked on meta in setup; a module fit before (then validated) was checked and split already
-        if not already and not is_overridden("configure_model", self.lightning_module):
+        if not self._built_for_this_module and not is_overridden("configure_model", self.lightning_module):
             check_module(self.lightning_module, self.layout, self.options, adapter=self.adapter)
         check_precision(self.precision_plugin.precision, self.options, self.layout)
         # Offloaded gradients live on the CPU: the clipping norm and checkpoint gathers need a CPU backend beside
@@ -174,12 +125,6 @@ class HybridParallelStrategy(HybridCheckpointIO, ReduceWithoutBarrier, ModelPara
         self._meshes = RunMeshes.build(self.layout, self.root_device.type, self.options.zero_stage)
         self._mesh = self._meshes.run  # 4-D (data, context, pipeline, tensor) under context parallelism
         _compat.set_module_device_mesh(self.lightning_module, self._mesh)
-
-    @property
-    def adapter(self) -> ModelAdapter:
-        """What answers for the module being trained (``lightning_parallel.adapters.adapt``), resolved once per module
-        and again in ``setup``, after ``configure_model`` may have built the model inside it."""
-        return resolved_adapter(self)
 
     @override
     @contextmanager
@@ -197,68 +142,39 @@ class HybridParallelStrategy(HybridCheckpointIO, ReduceWithoutBarrier, ModelPara
         self.model = self.precision_plugin.convert_module(self.model)
         if not on_meta(self.model):  # a meta model gets its device when materialised, share by share
             self.model_to_device()
-        self._parallelize(self.lightning_module, trainer)
+        if not self._built_for_this_module:  # else fit() then validate/test/predict() with the same Trainer
+            self.parallelized = build_parallelized(self, self.lightning_module, trainer)
+            self._parallelized_module = weakref.ref(self.lightning_module)
         self._executor = executors.choose_executor(self, self.parallelized)
         self._after_backward = after_backward_steps(self.meshes, self.replica_groups)
-        if self.parallelized.replicated is not None and trainer.state.fn == TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.parallelized.replicated is not None and fitting:
             self.model = self.parallelized.replicated  # plain DDP: Lightning runs the steps through its forward
         if not isinstance(self.precision_plugin, GlobalNormClipping):
             group = self._meshes.group(PIPELINE_PARALLEL) if self.layout.pipeline_parallel_enabled else None
             self.precision_plugin = GlobalNormClipping(self.precision_plugin, group)
         self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            optimizers, split = [unwrap_optimizer(o) for o in self.optimizers], self.parallelized.split
-            step_on_local_shards(optimizers)  # element-wise updates of DTensor parameters on their local tensors
-            if split is not None and split.shared:  # the same on every rank: a safe collective
-                pipeline_tied.check_tied_optimizer_groups(self.lightning_module, self.parallelized.tied, optimizers)
+        if fitting:
+            prepare_optimizers(self, trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
-            if self.replica_groups is not None:  # the first quorum; a group that is behind heals here
-                self.replica_groups.open(self, trainer, [unwrap_optimizer(o) for o in self.optimizers])
-
-    def _parallelize(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
-        if self._parallelized_module is not None and self._parallelized_module() is module:
-            return  # fit() then validate/test/predict() with the same Trainer: already split and sharded
-        layout, adapter = self.layout, resolved_adapter(self, refresh=True)  # after configure_model: what it built
-        timed = layout.pipeline_parallel_enabled and self.options.partition == "time"
-        if timed and on_meta(module):
-            raise ValueError("partition='time' times each layer, but the model is on the meta device (built in "
-                             "configure_model): use partition='parameters' or explicit cut points.")
-        times = agreed_layer_times(adapter, trainer, self.options.microbatches, self.root_device,
-                                   self.world_size) if timed else None
-        seed = int(self.broadcast(torch.initial_seed()))  # meta init: one seed on every rank, seeded or not
-        if not on_meta(module) and (layout.world_size > layout.data_parallel or self.options.zero_stage == 3):
-            rank_zero_info(f"lightning_parallel: {type(module).__name__} was built with storage, so every rank held "
-                           "the whole model before the split; build it in configure_model() to hold only its share.")
-        build = BuildSettings(str(self.precision_plugin.precision), Materialization(self.root_device, seed), times,
-                              self._print_split)
-        self.parallelized = parallelize(module, meshes=self._meshes, options=self.options, adapter=adapter,
-                                        build=build)
-        self._parallelized_module = weakref.ref(module)
-
-    def _print_split(self, split: PipelineSplit) -> None:
-        if self.global_rank == 0:
-            from lightning_parallel.runtime.console import print_table
-
-            print_table("lightning_parallel: pipeline split", list(split.describe().items()))
+            # the first quorum; a group that is behind heals here
+            self._replicas.open(self, trainer, [unwrap_optimizer(o) for o in self.optimizers])
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         notice = resumed_shuffle_notice(self.lightning_module.trainer, dataloader, self.layout.shape)
         if notice is not None:  # at the training loader's preparation: once per fit (per reload with reloading)
             rank_zero_info(notice)
-        trainer = self.lightning_module.trainer
-        if self.replica_groups is not None and trainer.training:
-            return self.replica_groups.position_loader(dataloader)
-        return dataloader
+        training = self.lightning_module.trainer.training
+        return self._replicas.position_loader(dataloader) if training else dataloader
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         inner = super().distributed_sampler_kwargs
-        return inner if self.replica_groups is None else self.replica_groups.sampler_kwargs(inner)
+        return self._replicas.sampler_kwargs(inner)
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -273,26 +189,25 @@ class HybridParallelStrategy(HybridCheckpointIO, ReduceWithoutBarrier, ModelPara
     @names_timeouts("training_step (pipeline schedule send/recv, tensor-parallel and FSDP collectives)")
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        if self.replica_groups is not None:
-            self.replica_groups.before_forward(batch_idx)
+        self._replicas.before_forward(batch_idx)
         return self._executor.training_step(lambda: super(HybridParallelStrategy, self).training_step(*args, **kwargs),
-                                            args[0] if args else kwargs.get("batch"), batch_idx)
+                                            _batch(args, kwargs), batch_idx)
 
     @override
     @names_timeouts("validation_step (pipelined or sharded forward)")
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         default = lambda: super(HybridParallelStrategy, self).validation_step(*args, **kwargs)
-        return self._executor.evaluation_step(default, args[0] if args else kwargs.get("batch"), "val_loss")
+        return self._executor.evaluation_step(default, _batch(args, kwargs), "val_loss")
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         default = lambda: super(HybridParallelStrategy, self).test_step(*args, **kwargs)
-        return self._executor.evaluation_step(default, args[0] if args else kwargs.get("batch"), "test_loss")
+        return self._executor.evaluation_step(default, _batch(args, kwargs), "test_loss")
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         default = lambda: super(HybridParallelStrategy, self).predict_step(*args, **kwargs)
-        output = self._executor.predict_step(default, args[0] if args else kwargs.get("batch"))
+        output = self._executor.predict_step(default, _batch(args, kwargs))
         split = self.parallelized.context_split if self.parallelized is not None else None
         return output if split is None else split.gather_outputs(output)
 
@@ -304,26 +219,13 @@ class HybridParallelStrategy(HybridCheckpointIO, ReduceWithoutBarrier, ModelPara
     @override
     @names_timeouts("optimizer_step (global-norm clipping, non-finite check)")
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        steps = self._after_backward  # strategies/after_backward.py: experts' reduction, replica commit
-        if not steps:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        def closure_then_steps() -> Any:
-            result = closure()
-            for step in steps:
-                step(self.lightning_module, unwrap_optimizer(optimizer))
-            return result
-
-        try:
-            return super().optimizer_step(optimizer, closure_then_steps, model, **kwargs)
-        finally:
-            for step in steps:
-                step.after_step()
+        return step_with(self._after_backward, self.lightning_module, optimizer, closure,
+                         lambda chained: super(HybridParallelStrategy, self).optimizer_step(optimizer, chained, model,
+                                                                                            **kwargs))
 
     @override
     def teardown(self) -> None:
-        if self.replica_groups is not None:
-            self.replica_groups.close()
+        self._replicas.close()
         self.model = self.lightning_module  # unwrap DDP (a no-op otherwise), as Lightning's DDPStrategy does
         super().teardown()
 
@@ -345,3 +247,8 @@ class HybridParallelStrategy(HybridCheckpointIO, ReduceWithoutBarrier, ModelPara
             strategy_registry.register(
                 cls.strategy_name, cls, description="data x pipeline x tensor parallelism (lightning_parallel)"
             )
+
+
+def _batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The batch of a Lightning step call, given by position or by name."""
+    return args[0] if args else kwargs.get("batch")

@@ -12,7 +12,7 @@ Losses over padded batches: wherever items carry unequal weight (``-100`` labels
 a global batch is ``sum(token losses) / sum(valid tokens)`` over its data-parallel ranks (and
 micro-batches), the single-process loss. The direct executor gets this from the model
 adapter's ``loss_weighting`` (a Hugging Face causal LM's own ``.loss``:
-:mod:`lightning_parallel.adapters.hf_loss`); the pipelined one counts the valid items of the
+:mod:`lightning_parallel.adapters.hf.loss`); the pipelined one counts the valid items of the
 whole batch over the data axis and hands the count to the schedule. Both ask the adapter the
 run resolved once (``parallelized.adapter``), never the module's type.
 """

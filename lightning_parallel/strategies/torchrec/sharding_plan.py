@@ -1,4 +1,4 @@
-"""Sharding plans for :class:`~lightning_parallel.strategies.torchrec.TorchRecStrategy`: which types can run,
+"""Sharding plans for :class:`~lightning_parallel.strategies.torchrec.strategy.TorchRecStrategy`: which types can run,
 the planner's constraints from ``sharding=``, and the plan as a table (table, type, ranks, bytes per rank).
 
 A plan is data (TorchRec's ``ShardingPlan``: table -> sharding type, ranks, shard offsets and sizes). Everything

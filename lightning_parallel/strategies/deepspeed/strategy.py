@@ -5,7 +5,7 @@ changes only what ties it to CUDA: the accelerator check, the device-index check
 DeepSpeed accelerator and process-group backend, and precision. Everything else --
 engine set-up, sharded checkpoints, optimizer hand-over -- is Lightning's.
 
-The DeepSpeed config is built in :mod:`lightning_parallel.strategies.deepspeed_config`, from
+The DeepSpeed config is built in :mod:`lightning_parallel.strategies.deepspeed.config`, from
 three sources in a fixed order of authority: the Trainer (micro-batch size, accumulation,
 clipping, precision), the strategy's explicit arguments (``zero_stage``, ``offload_*``), then an
 optional raw DeepSpeed config for everything else. A raw config may repeat a value of the
@@ -13,7 +13,7 @@ first two but not contradict it. Lightning's private hooks and helpers are reach
 :mod:`lightning_parallel._compat`.
 
 How a step enters the engine (one redirected step is one ZeRO-3 step; ``bf16-mixed`` batches left to autocast) is
-:mod:`lightning_parallel.strategies.deepspeed_steps`.
+:mod:`lightning_parallel.strategies.deepspeed.steps`.
 """
 
 from __future__ import annotations
@@ -46,17 +46,17 @@ from lightning_parallel.checkpoints.detect import describe_checkpoint, unreadabl
 from lightning_parallel.parallel import activation_checkpoint as ac
 from lightning_parallel.parallel.compose import check_activation_checkpointing, checkpoint_activations
 from lightning_parallel.parallel.options import DEFAULT_TIMEOUT, as_timeout, plain
-from lightning_parallel.strategies.deepspeed_config import (
+from lightning_parallel.strategies.deepspeed.config import (
     RawConfig,
     apply_precision,
     apply_trainer_settings,
     build_zero_config,
-    resolve_zero_stage,
+    chosen_zero_stage,
 )
-from lightning_parallel.strategies.deepspeed_init import use_deepspeed_accelerator
-from lightning_parallel.strategies.deepspeed_steps import AutocastDeepSpeedPrecision, ZeRO3ForwardRedirection
+from lightning_parallel.strategies.deepspeed.construction import use_deepspeed_accelerator
+from lightning_parallel.strategies.deepspeed.steps import AutocastDeepSpeedPrecision, ZeRO3ForwardRedirection
 from lightning_parallel.strategies.reduction import ReduceWithoutBarrier
-from lightning_parallel.strategies.resolved_adapter import resolved_adapter
+from lightning_parallel.strategies.module_adapter import strategy_adapter
 
 # Names registered by DeepSpeedDataParallelStrategy.register_strategies -> constructor arguments.
 REGISTERED = {
@@ -78,7 +78,7 @@ class DeepSpeedDataParallelStrategy(ReduceWithoutBarrier, DeepSpeedStrategy):
     this strategy only asks for what is DeepSpeed's own. Under ZeRO-3 a model built in
     ``configure_model`` is partitioned as it is constructed (``deepspeed.zero.Init``, Lightning's
     ``model_sharded_context``), on CPU too: no rank holds it whole (see
-    :mod:`~lightning_parallel.strategies.deepspeed_init`).
+    :mod:`~lightning_parallel.strategies.deepspeed.construction`).
 
     Args:
         zero_stage: ZeRO stage: 0 (plain data parallel), 1 (shard optimizer state),
@@ -125,7 +125,7 @@ class DeepSpeedDataParallelStrategy(ReduceWithoutBarrier, DeepSpeedStrategy):
         logging_level: int = logging.WARN, load_full_weights: bool = False,
         activation_checkpointing: Union[str, list[str]] = "none", stage: Optional[int] = None,
     ) -> None:
-        stage = resolve_zero_stage(zero_stage, stage)  # zero_stage, or its deprecated name
+        stage = chosen_zero_stage(zero_stage, stage)  # zero_stage, or its deprecated name
         self.activation_checkpointing = ac.check_deepspeed_stage(
             ac.check_choice(plain(activation_checkpointing)), stage
         )
@@ -172,9 +172,9 @@ class DeepSpeedDataParallelStrategy(ReduceWithoutBarrier, DeepSpeedStrategy):
         if self.precision_plugin.precision == "bf16-mixed" and type(self.precision_plugin) is DeepSpeedPrecision:
             self.precision_plugin = AutocastDeepSpeedPrecision("bf16-mixed")
         if self.world_size > 1:  # every DeepSpeed rank is a data-parallel replica
-            resolved_adapter(self).check_batch_split([f"data parallel over {self.world_size} ranks"])
+            strategy_adapter(self).check_batch_split([f"data parallel over {self.world_size} ranks"])
         check_activation_checkpointing(
-            self.lightning_module, self.activation_checkpointing, adapter=resolved_adapter(self)
+            self.lightning_module, self.activation_checkpointing, adapter=strategy_adapter(self)
         )
         use_deepspeed_accelerator(self.device_type)  # before configure_model: zero.Init allocates there
         # Skip DeepSpeedStrategy.setup_environment (its CUDA check); DDPStrategy's sets the
@@ -184,7 +184,7 @@ class DeepSpeedDataParallelStrategy(ReduceWithoutBarrier, DeepSpeedStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         """Lightning's, layers checkpointed first (torch's checkpointing: DeepSpeed's needs Megatron's mpu)."""
-        adapter = resolved_adapter(self, refresh=True)  # configure_model has run: resolve what it built
+        adapter = strategy_adapter(self, refresh=True)  # configure_model has run: resolve what it built
         if self.world_size > 1:  # again: configure_model may have built the model only now
             adapter.check_batch_split([f"data parallel over {self.world_size} ranks"])
         if not any(ac.is_checkpointed(m) for m in self.lightning_module.modules()):
@@ -208,11 +208,11 @@ class DeepSpeedDataParallelStrategy(ReduceWithoutBarrier, DeepSpeedStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Lightning's step; a Hugging Face causal LM's loss is the token mean over all ranks' batches.
 
-        The adapter's ``loss_weighting`` (see :mod:`lightning_parallel.adapters.hf_loss`): without it each
+        The adapter's ``loss_weighting`` (see :mod:`lightning_parallel.adapters.hf.loss`): without it each
         rank would average its own valid tokens, which is not the single-process loss when padding differs by rank.
         """
         module = self.lightning_module
-        weighting = resolved_adapter(self).loss_weighting(
+        weighting = strategy_adapter(self).loss_weighting(
             None, self.world_size, module.trainer.accumulate_grad_batches, warn=self.global_rank == 0
         )
         if weighting is None:
@@ -279,7 +279,7 @@ class DeepSpeedDataParallelStrategy(ReduceWithoutBarrier, DeepSpeedStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Lightning's DeepSpeed folder, plus the ``hugging_face`` entry ``lp-convert --to hf``
         builds the model from."""
-        checkpoint.update(resolved_adapter(self).checkpoint_metadata())
+        checkpoint.update(strategy_adapter(self).checkpoint_metadata())
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override

@@ -9,6 +9,7 @@ reduced its gradients during the backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 from torch import nn
@@ -17,7 +18,8 @@ from torch.optim import Optimizer
 from lightning_parallel.layout import EXPERT_DATA
 from lightning_parallel.layout.meshes import RunMeshes
 from lightning_parallel.parallel.experts.sharded import reduce_expert_gradients
-from lightning_parallel.strategies.expert_load import report_first_step_load
+from lightning_parallel.strategies.hybrid.checkpoints import unwrap_optimizer
+from lightning_parallel.strategies.hybrid.expert_load_report import report_first_step_load
 
 
 class AfterBackward:
@@ -77,3 +79,31 @@ def after_backward_steps(meshes: RunMeshes, replicas: Optional[Any]) -> list[Aft
     if replicas is not None:
         steps.append(CommitReplicas(replicas))
     return steps
+
+
+def step_with(steps: list[AfterBackward], module: nn.Module, optimizer: Any, closure: Callable[[], Any],
+              optimizer_step: Callable[[Callable[[], Any]], Any]) -> Any:
+    """``optimizer_step(closure)`` with ``steps`` run after the closure's backward; each step's ``after_step`` once
+    the optimizer step has ended, however it ended.
+
+    Args:
+        steps: the run's after-backward work (:func:`after_backward_steps`).
+        module: the LightningModule.
+        optimizer: the optimizer being stepped (a ``LightningOptimizer`` is unwrapped for the steps).
+        closure: Lightning's closure (forward and backward).
+        optimizer_step: Lightning's own step, given the closure to run.
+    """
+    if not steps:
+        return optimizer_step(closure)
+
+    def closure_then_steps() -> Any:
+        result = closure()
+        for step in steps:
+            step(module, unwrap_optimizer(optimizer))
+        return result
+
+    try:
+        return optimizer_step(closure_then_steps)
+    finally:
+        for step in steps:
+            step.after_step()

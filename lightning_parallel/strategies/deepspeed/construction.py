@@ -7,7 +7,7 @@ Lightning calls the strategy's ``setup_environment``, then the module's ``config
   (:func:`use_deepspeed_accelerator`), so everything after it -- ``zero.Init`` included -- allocates
   there and talks gloo on CPU, NCCL on CUDA.
 - Under ZeRO-3, ``model_sharded_context`` (Lightning's ``DeepSpeedStrategy``'s, which
-  :class:`~lightning_parallel.strategies.deepspeed.DeepSpeedDataParallelStrategy` keeps) enters
+  :class:`~lightning_parallel.strategies.deepspeed.strategy.DeepSpeedDataParallelStrategy` keeps) enters
   ``deepspeed.zero.Init(config_dict_or_path=strategy.config)``. Each module's ``__init__`` runs at full size,
   so its ``reset_parameters`` draws from the random stream exactly as without it; zero.Init then
   broadcasts rank 0's values and keeps this rank's partition. No rank holds more than one module in full,

@@ -1,4 +1,4 @@
-"""DCP checkpoints for :class:`~lightning_parallel.strategies.torchrec.TorchRecStrategy`: sharded tables, their
+"""DCP checkpoints for :class:`~lightning_parallel.strategies.torchrec.strategy.TorchRecStrategy`: sharded tables, their
 fused optimizer state, the dense optimizers, resharded on load onto any world size and plan.
 
 The folder is the suite's DCP layout (:mod:`lightning_parallel.checkpoints.dcp`: shards plus ``meta.pt``,
@@ -9,7 +9,7 @@ written into a hidden folder and renamed when every rank is done) with one more 
 * ``optimizer_<i>``: the dense optimizers, flattened under parameter names (torch's ``get_optimizer_state_dict``);
 * ``table_optimizer``: the tables' optimizer state (Adagrad sums, Adam moments): TorchRec's fused optimizers'
   as ``ShardedTensor`` s, and the twins of replicated (data-parallel) tables as whole tensors under the same
-  names (:class:`~lightning_parallel.strategies.torchrec_replicated.TableOptimizers`).
+  names (:class:`~lightning_parallel.strategies.torchrec.replicated.TableOptimizers`).
 
 Note:
     DCP reads a ``ShardedTensor`` by the global offsets of each shard, so a checkpoint written table-wise on 2

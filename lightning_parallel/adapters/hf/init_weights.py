@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_parallel import _compat
-from lightning_parallel.adapters.hf import is_hf_model
+from lightning_parallel.adapters.hf.model import is_hf_model
 from lightning_parallel.parallel.data import own_class
 
 

@@ -7,7 +7,7 @@ The plan is printed at start-up (table, type, ranks, MiB per rank). Lightning's 
 step runs through DMP, the dense optimizer is the module's ``configure_optimizers`` minus the tables, and the
 tables are updated inside backward by TorchRec's fused optimizers -- or, for tables replicated with
 ``data_parallel`` (which TorchRec fuses nothing into), by a dense twin of the same optimizer with the same
-hyper-parameters right after the dense step (:mod:`~lightning_parallel.strategies.torchrec_replicated`).
+hyper-parameters right after the dense step (:mod:`~lightning_parallel.strategies.torchrec.replicated`).
 
 Note:
     * Order in :meth:`setup`: dense layers materialised and seeded first (they are plain modules; DDP inside DMP
@@ -51,8 +51,8 @@ from lightning_parallel.adapters.torchrec import (
     table_optimizers,
 )
 from lightning_parallel.protocol import layer_seed, owned_tensors, reset_parameters
-from lightning_parallel.strategies import torchrec_checkpoint
-from lightning_parallel.strategies.torchrec_plan import (
+from lightning_parallel.strategies.torchrec import checkpoint as torchrec_checkpoint
+from lightning_parallel.strategies.torchrec.sharding_plan import (
     Sharding,
     check_runnable,
     check_sharding_names,
@@ -62,7 +62,7 @@ from lightning_parallel.strategies.torchrec_plan import (
     plan_sharding,
     runnable_sharding_types,
 )
-from lightning_parallel.strategies.torchrec_replicated import (
+from lightning_parallel.strategies.torchrec.replicated import (
     ReplicatedTableOptimizer,
     TableOptimizers,
     check_replicated_optimizers,
@@ -251,7 +251,7 @@ class TorchRecStrategy(DDPStrategy):
             self.replicated_tables.step()
         return output
 
-    # --- checkpoints (DCP folders: lightning_parallel.strategies.torchrec_checkpoint) -----------
+    # --- checkpoints (DCP folders: lightning_parallel.strategies.torchrec.checkpoint) -----------
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         """Load after :meth:`setup`: the checkpoint is read shard by shard into the plan of this run."""

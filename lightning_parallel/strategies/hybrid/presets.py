@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_parallel.parallel.options import ParallelOptions
-from lightning_parallel.strategies.hybrid import HybridParallelStrategy
+from lightning_parallel.strategies.hybrid.strategy import HybridParallelStrategy
 
 
 def _preset_sizes(size_name: str, options: Optional[ParallelOptions], option_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_parallel.adapters.hf import IGNORE_INDEX, causal_lm_valid_count, find_hf_model
+from lightning_parallel.adapters.hf.model import IGNORE_INDEX, causal_lm_valid_count, find_hf_model
 
 SumOverRanks = Callable[[Tensor], Tensor]
 
@@ -130,7 +130,7 @@ class TokenWeightedLoss:
             raise ValueError(
                 f"{type(module).__name__}.forward does not take num_items_in_batch, so its loss cannot be weighted by "
                 "the valid tokens of the global batch across data-parallel ranks. Compute the loss in training_step "
-                "from the logits (lightning_parallel.adapters.hf.causal_lm_loss_terms) instead of passing labels."
+                "from the logits (lightning_parallel.adapters.hf.model.causal_lm_loss_terms) instead of passing labels."
             )
         count = self.sum_over_ranks(valid_count(labels, kwargs.get("shift_labels")).to(torch.float32))
         # fp32: N / dp need not be whole, and a float64 divisor would promote the fp32 loss.

@@ -34,8 +34,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel.adapters.hf_experts import CHECKED_FAMILIES
-from lightning_parallel.adapters.hf_loss import SumOverRanks, is_causal_lm
+from lightning_parallel.adapters.hf.experts import CHECKED_FAMILIES
+from lightning_parallel.adapters.hf.loss import SumOverRanks, is_causal_lm
 from lightning_parallel.parallel.pipeline.step_hooks import FORWARDS_FIRST
 
 CONSISTENCY = 1e-5  # relative: the suite's local term against the model's returned aux_loss

@@ -17,20 +17,20 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_parallel.adapters.hf import causal_lm_loss_terms, causal_lm_valid_count, find_hf_model
-from lightning_parallel.adapters.hf_context import (
+from lightning_parallel.adapters.hf.model import causal_lm_loss_terms, causal_lm_valid_count, find_hf_model
+from lightning_parallel.adapters.hf.context import (
     apply_hf_context,
     check_hf_context,
     shifted_loss_terms,
     shifted_valid_count,
 )
-from lightning_parallel.adapters.hf_experts import apply_hf_experts, check_hf_experts
-from lightning_parallel.adapters.hf_init import init_hf_module
-from lightning_parallel.adapters.hf_loss import ACCUMULATION_WARNING, TokenWeightedLoss, group_sum, is_causal_lm
-from lightning_parallel.adapters.hf_pipeline import HFStage, hf_pipeline_layers
-from lightning_parallel.adapters.hf_router_loss import check_router_loss_split, has_router_loss, with_router_loss
-from lightning_parallel.adapters.hf_router_pipeline import PipelinedRouterLoss
-from lightning_parallel.adapters.hf_tensor import hf_head_dimensions, hf_tensor_plan, hf_untied_embeddings
+from lightning_parallel.adapters.hf.experts import apply_hf_experts, check_hf_experts
+from lightning_parallel.adapters.hf.init_weights import init_hf_module
+from lightning_parallel.adapters.hf.loss import ACCUMULATION_WARNING, TokenWeightedLoss, group_sum, is_causal_lm
+from lightning_parallel.adapters.hf.pipeline import HFStage, hf_pipeline_layers
+from lightning_parallel.adapters.hf.router_loss import check_router_loss_split, has_router_loss, with_router_loss
+from lightning_parallel.adapters.hf.router_pipeline import PipelinedRouterLoss
+from lightning_parallel.adapters.hf.tensor import hf_head_dimensions, hf_tensor_plan, hf_untied_embeddings
 from lightning_parallel.parallel.adapter import LossWeighting, ModelAdapter
 from lightning_parallel.parallel.data import own_class
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan, defines_loss_terms, own_loss

@@ -60,14 +60,14 @@ def _translate(value: Any, model: nn.Module) -> Any:
     if not isinstance(value, str):
         return value
     if value == "replicated_with_grad_allreduce":
-        from lightning_parallel.adapters.hf_styles import SumGradientsOnUse
+        from lightning_parallel.adapters.hf.styles import SumGradientsOnUse
 
         return SumGradientsOnUse()
     if value in HF_STYLES:
         return HF_STYLES[value]
     rope_dim = getattr(_text_config(model), "qk_rope_head_dim", None)
     if value == "mla_kv_a_proj" and isinstance(rope_dim, int):
-        from lightning_parallel.adapters.hf_styles import MlaKvAProj
+        from lightning_parallel.adapters.hf.styles import MlaKvAProj
 
         return MlaKvAProj(rope_dim)
     reason = REFUSED_STYLES.get(value, f"it is not a transformers style the suite knows ({', '.join(HF_STYLES)})")
@@ -147,7 +147,7 @@ def _on_sharded_features(model: nn.Module, plan: dict[str, Any]) -> dict[str, An
     """
     import fnmatch
 
-    from lightning_parallel.adapters.hf_styles import SumGradientsOnUse
+    from lightning_parallel.adapters.hf.styles import SumGradientsOnUse
 
     names = [name for name, _ in model.named_modules() if name]
     sharded = {name.rsplit(".", 1)[0] for key, value in plan.items() if value == "colwise"

@@ -1,4 +1,4 @@
-"""How a Lightning step enters DeepSpeed's engine under :class:`~lightning_parallel.strategies.deepspeed.
+"""How a Lightning step enters DeepSpeed's engine under :class:`~lightning_parallel.strategies.deepspeed.strategy.
 DeepSpeedDataParallelStrategy`: the step redirection and the precision plugin it hands Lightning instead of its own.
 
 Note:
