@@ -52,7 +52,7 @@ def planned_gpt_class() -> type:
     ``ModelParallelStrategy``, the anchor of ``tensor_parallel``)."""
     from examples.nlp.model import GPT
     from lightning_parallel.adapters import adapt
-    from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, resolve_plan
+    from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, concrete_plan
 
     class PlannedGPT(GPT):
         """GPT that shards itself over ``device_mesh["tensor_parallel"]`` with its own plan."""
@@ -61,7 +61,7 @@ def planned_gpt_class() -> type:
             super().configure_model()  # the recipe's layers (built already by _new_model)
             if not getattr(self, "_planned", False):
                 adapter = adapt(self)
-                plan = resolve_plan(self, None, adapter=adapter)
+                plan = concrete_plan(self, None, adapter=adapter)
                 apply_tensor_parallel(self, self.device_mesh["tensor_parallel"], plan, adapter)
                 self._planned = True
 

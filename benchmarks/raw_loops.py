@@ -203,17 +203,17 @@ class RawDDP(RawLoop):
 
 
 class RawTensor(RawLoop):
-    """The plan of ``tensor_parallel_plan()`` applied with ``resolve_plan``/``apply_tensor_parallel`` on a 1-D mesh."""
+    """The plan of ``tensor_parallel_plan()`` applied with ``concrete_plan``/``apply_tensor_parallel`` on a 1-D mesh."""
 
     def _build(self, strategy: Any) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         from lightning_parallel.adapters import adapt
-        from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, resolve_plan
+        from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, concrete_plan
 
         mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("tensor_parallel",))
         adapter = adapt(self.model)
-        plan = resolve_plan(self.model, None, adapter=adapter)
+        plan = concrete_plan(self.model, None, adapter=adapter)
         apply_tensor_parallel(self.model, mesh["tensor_parallel"], plan, adapter)
         super()._build(strategy)
 

@@ -18,7 +18,7 @@ from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.pipeline.cut import check_pipeline
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan
 from lightning_parallel.parallel.pipeline.stages import RemovedLayer
-from lightning_parallel.parallel.tensor.plan import resolve_plan, validate_tensor_parallel
+from lightning_parallel.parallel.tensor.plan import concrete_plan, validate_tensor_parallel
 from lightning_parallel.parallel.context_and_experts import batch_splits
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ def check_tensor(
     """The tensor half of :func:`check_module`; returns the resolved plan (empty without tensor parallelism)."""
     if not layout.tensor_parallel_enabled:
         return {}
-    plan = resolve_plan(
+    plan = concrete_plan(
         module, options.plan, sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel,
         adapter=adapter,
     )

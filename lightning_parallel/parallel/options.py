@@ -227,10 +227,10 @@ class ParallelOptions:
         return ParallelLayout.resolve(world_size, self.data_parallel_size, self.pipeline_parallel_size,
                                       self.tensor_parallel_size, names=names, num_nodes=num_nodes,
                                       data_replicate=self.data_replicate_size, data_shard=self.data_shard_size,
-                                      context_parallel=self.resolved_context_size(world_size, names),
+                                      context_parallel=self.context_size_for(world_size, names),
                                       expert_parallel=self.expert_parallel_size)
 
-    def resolved_context_size(self, world_size: int, names: Mapping[str, str]) -> int:
+    def context_size_for(self, world_size: int, names: Mapping[str, str]) -> int:
         """The context size: explicit, or with ``"auto"`` what the (then explicit) other sizes leave of the world.
 
         Args:

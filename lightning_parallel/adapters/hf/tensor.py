@@ -280,7 +280,7 @@ def hf_head_dimensions(model: nn.Module, plan: dict[str, Any]) -> list[tuple[str
 
     Args:
         model: the Hugging Face model.
-        plan: ``{submodule name: ParallelStyle}`` from ``resolve_plan``.
+        plan: ``{submodule name: ParallelStyle}`` from ``concrete_plan``.
     """
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel

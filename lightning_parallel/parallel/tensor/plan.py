@@ -1,8 +1,8 @@
-"""Tensor parallelism on DTensor: resolve a module's plan, apply it (validation: :mod:`.validation`).
+"""Tensor parallelism on DTensor: a module's plan made concrete and applied (validation: :mod:`.validation`).
 
 A plan maps submodule names (fnmatch globs such as ``"blocks.*.mlp.up"``) to a style
 name of :data:`STYLE_NAMES` (see :mod:`.styles` for what each becomes) or a torch
-``ParallelStyle``. :func:`resolve_plan` turns it into ``{concrete name: ParallelStyle}``
+``ParallelStyle``. :func:`concrete_plan` turns it into ``{concrete name: ParallelStyle}``
 for one model and one choice of sequence / loss parallelism, :func:`validate_tensor_parallel`
 checks the sizes (and tied weights) before any process group exists, and
 :func:`apply_tensor_parallel` calls ``parallelize_module`` on the submodules a
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from lightning_parallel.parallel.adapter import ModelAdapter
 
 __all__ = [
-    "STYLE_NAMES", "apply_tensor_parallel", "loss_parallel_context", "resolve_plan", "validate_tensor_parallel",
+    "STYLE_NAMES", "apply_tensor_parallel", "loss_parallel_context", "concrete_plan", "validate_tensor_parallel",
 ]
 
 PlanValue = Union[str, ParallelStyle, RefusedStyle, None]
@@ -112,7 +112,7 @@ def _merge(
     return merged
 
 
-def resolve_plan(
+def concrete_plan(
     module: nn.Module,
     overrides: Optional[Mapping[str, PlanValue]] = None,
     *,
@@ -199,7 +199,7 @@ def apply_tensor_parallel(
             original qualified names; plan names it does not hold are skipped (they live
             on another stage).
         tp_mesh: the one-dimensional tensor-parallel mesh (``mesh["tensor_parallel"]``).
-        plan: the output of :func:`resolve_plan` for the full model.
+        plan: the output of :func:`concrete_plan` for the full model.
         adapter: the model's adapter, resolved once by the caller (head counts, tied-embedding promise).
 
     Returns:

@@ -64,7 +64,7 @@ def check_ties(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> None:
 
     Args:
         module: the model (or a pipeline stage of it), before sharding.
-        plan: ``{submodule name: style}`` from ``resolve_plan``.
+        plan: ``{submodule name: style}`` from ``concrete_plan``.
 
     Raises:
         ValueError: naming the tied names, each owner's style and the fix.

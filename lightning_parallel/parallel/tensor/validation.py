@@ -79,7 +79,7 @@ def validate_tensor_parallel(
 
     Args:
         module: the model (or a pipeline stage of it) the plan applies to.
-        plan: the output of :func:`resolve_plan`.
+        plan: the output of :func:`concrete_plan`.
         tensor_parallel_size: ranks per tensor-parallel group.
         require_sharding: refuse a plan that shards no parameter when the size is above 1
             (off for a pipeline stage, which may hold none of the planned layers).

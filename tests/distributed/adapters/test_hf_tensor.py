@@ -125,12 +125,12 @@ def untied_control(rank: int) -> list[float]:
 
     from lightning_parallel.parallel.grad_norm_clipping import clip_grad_norm_
     from lightning_parallel.adapters import adapt
-    from lightning_parallel.parallel.tensor.plan import resolve_plan
+    from lightning_parallel.parallel.tensor.plan import concrete_plan
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
     reference = UserModule("qwen2", {"tie_word_embeddings": True})
     sharded = copy.deepcopy(reference)
-    for name, style in resolve_plan(sharded, adapter=adapt(sharded)).items():  # the old behaviour: no re-tie
+    for name, style in concrete_plan(sharded, adapter=adapt(sharded)).items():  # the old behaviour: no re-tie
         parallelize_module(sharded.get_submodule(name), mesh, style)
     assert sharded.model.lm_head.weight is not sharded.model.model.embed_tokens.weight
     runs = []

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from examples.nlp.model import GPT
 from lightning_parallel.adapters import adapt
 from lightning_parallel.parallel.grad_norm_clipping import clip_grad_norm_
-from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, loss_parallel_context, resolve_plan
+from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, loss_parallel_context, concrete_plan
 from lightning_parallel.testing.models import OPTIMIZERS
 
 VOCAB, SEQ, BATCH = 256, 16, 4
@@ -33,7 +33,7 @@ def shard(model: torch.nn.Module, mesh, overrides: Any = None, **options: bool) 
     """Resolve ``model``'s plan (``options``: sequence_parallel, loss_parallel) and apply it over ``mesh``, with the
     adapter resolved once as a strategy does."""
     adapter = adapt(model)
-    apply_tensor_parallel(model, mesh, resolve_plan(model, overrides, **options, adapter=adapter), adapter)
+    apply_tensor_parallel(model, mesh, concrete_plan(model, overrides, **options, adapter=adapter), adapter)
 
 
 def batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -31,7 +31,7 @@ from lightning_parallel.layout.meshes import RunMeshes
 from lightning_parallel.parallel.compose import BuildSettings, parallelize
 from lightning_parallel.parallel.data import shard_data_axis
 from lightning_parallel.parallel.options import ParallelOptions
-from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, resolve_plan
+from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel, concrete_plan
 from lightning_parallel.strategies import HybridParallelStrategy, PipelineParallelStrategy, TensorParallelStrategy
 from lightning_parallel.strategies.deepspeed.strategy import DeepSpeedDataParallelStrategy
 from lightning_parallel.testing import max_abs_difference, run_processes
@@ -135,7 +135,7 @@ def _norm_gradient_reductions(rank: int, world_size: int, meshes, hand_built_pol
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         adapter = adapt(module)
-        plan = resolve_plan(module, None, sequence_parallel=True, adapter=adapter)
+        plan = concrete_plan(module, None, sequence_parallel=True, adapter=adapter)
         apply_tensor_parallel(module, mesh[TENSOR_PARALLEL], plan, adapter)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         shard_data_axis(list(module.pipeline_layers()), [module], mesh[DATA_PARALLEL], 2, policy)

@@ -15,7 +15,7 @@ from lightning_parallel.adapters.hf.tensor import ADAPTER_STYLES, HF_STYLES, REF
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallel.compose import check_module
 from lightning_parallel.parallel.options import ParallelOptions
-from lightning_parallel.parallel.tensor.plan import resolve_plan, validate_tensor_parallel
+from lightning_parallel.parallel.tensor.plan import concrete_plan, validate_tensor_parallel
 from lightning_parallel.parallel.tensor.styles import PrepareFirstInput, is_norm
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
@@ -40,7 +40,7 @@ def llama():
 
 
 def test_plan_is_rerooted_and_mapped_to_styles_of_the_same_numerics(llama):
-    plan = resolve_plan(llama, adapter=adapt(llama))
+    plan = concrete_plan(llama, adapter=adapt(llama))
     assert type(plan["model.model.layers.1.self_attn.k_proj"]) is ColwiseParallel
     assert plan["model.model.layers.0.self_attn.q_proj"].output_layouts == (Shard(-1),)
     assert plan["model.model.layers.0.mlp.down_proj"].output_layouts == (Replicate(),)
@@ -58,18 +58,18 @@ def test_user_plan_and_strategy_plan_still_win(llama):
             return {"model.model.layers.*.mlp.up_proj": "colwise", "model.model.layers.*.mlp.down_proj": "rowwise"}
 
     own = Own()
-    assert sorted(resolve_plan(own, adapter=adapt(own))) == [
+    assert sorted(concrete_plan(own, adapter=adapt(own))) == [
         f"model.model.layers.{i}.mlp.{p}" for i in range(2) for p in ("down_proj", "up_proj")
     ]
-    plan = resolve_plan(llama, {"model.lm_head": None, "model.model.layers.*.mlp.*_proj": None}, adapter=adapt(llama))
+    plan = concrete_plan(llama, {"model.lm_head": None, "model.model.layers.*.mlp.*_proj": None}, adapter=adapt(llama))
     assert "model.lm_head" not in plan and not [name for name in plan if ".mlp." in name]
     # transformers' own names are understood in the strategy's plan too.
-    plan = resolve_plan(llama, {"model.model.layers.*.self_attn.o_proj": "rowwise_split_input"}, adapter=adapt(llama))
+    plan = concrete_plan(llama, {"model.model.layers.*.self_attn.o_proj": "rowwise_split_input"}, adapter=adapt(llama))
     assert plan["model.model.layers.1.self_attn.o_proj"].input_layouts == (Replicate(),)
 
 
 def test_sequence_parallel_entries_for_a_decoder(llama):
-    plan = resolve_plan(llama, sequence_parallel=True, adapter=adapt(llama))
+    plan = concrete_plan(llama, sequence_parallel=True, adapter=adapt(llama))
     for norm in ("layers.0.input_layernorm", "layers.1.post_attention_layernorm", "norm"):
         style = plan[f"model.model.{norm}"]
         assert isinstance(style, SequenceParallel) and style.use_local_output  # LlamaRMSNorm, by duck type
@@ -97,8 +97,8 @@ def test_tied_embedding_and_head_are_sharded_alike():
     tied = Holder("qwen2", tie_word_embeddings=True)
     assert tied.model.lm_head.weight is tied.model.model.embed_tokens.weight
     adapter = adapt(tied)
-    validate_tensor_parallel(tied, resolve_plan(tied, adapter=adapter), 2, adapter=adapter)
-    validate_tensor_parallel(tied, resolve_plan(tied, sequence_parallel=True, adapter=adapter), 2, adapter=adapter)
+    validate_tensor_parallel(tied, concrete_plan(tied, adapter=adapter), 2, adapter=adapter)
+    validate_tensor_parallel(tied, concrete_plan(tied, sequence_parallel=True, adapter=adapter), 2, adapter=adapter)
 
 
 def test_every_transformers_style_is_mapped_or_refused():
@@ -110,8 +110,8 @@ def test_every_transformers_style_is_mapped_or_refused():
 
 
 def _resolve(module, overrides=None, **options):
-    """``resolve_plan`` with the adapter a strategy would resolve once for ``module``."""
-    return resolve_plan(module, overrides, **options, adapter=adapt(module))
+    """``concrete_plan`` with the adapter a strategy would resolve once for ``module``."""
+    return concrete_plan(module, overrides, **options, adapter=adapt(module))
 
 
 def _with_packed_gate():
@@ -131,7 +131,7 @@ def _sequence_parallel_with_unplanned_mlp():
 
 def _no_plan_at_all():
     module = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
-    validate_tensor_parallel(module, resolve_plan(module, adapter=adapt(module)), 2, adapter=adapt(module))
+    validate_tensor_parallel(module, concrete_plan(module, adapter=adapt(module)), 2, adapter=adapt(module))
 
 
 def _hf_model_without_a_plan():
@@ -140,7 +140,7 @@ def _hf_model_without_a_plan():
         holder.model = transformers.GPT2LMHeadModel(
             transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128)
         )
-    validate_tensor_parallel(holder, resolve_plan(holder, adapter=adapt(holder)), 2, adapter=adapt(holder))
+    validate_tensor_parallel(holder, concrete_plan(holder, adapter=adapt(holder)), 2, adapter=adapt(holder))
 
 
 def _check_module(module, tensor_parallel, **options):
@@ -192,7 +192,7 @@ def test_errors_name_the_fix_before_any_process_group(case, call, message):
 def test_refused_style_is_lifted_by_a_plan_override():
     holder = _with_packed_gate()
     assert isinstance(adapt(holder).tensor_plan()[1]["model.model.layers.*.mlp.gate_proj"], RefusedStyle)
-    plan = resolve_plan(holder, {"model.model.layers.*.mlp.gate_proj": "colwise"}, adapter=adapt(holder))
+    plan = concrete_plan(holder, {"model.model.layers.*.mlp.gate_proj": "colwise"}, adapter=adapt(holder))
     assert type(plan["model.model.layers.0.mlp.gate_proj"]) is ColwiseParallel
 
 
@@ -210,7 +210,7 @@ def test_plan_built_from_class_and_config_when_the_instance_has_none():
     _, plan = adapt(tied).tensor_plan()
     assert plan["model.lm_head"] == "colwise_gather" and plan["model.model.layers.*.mlp.down_proj"] == "rowwise"
     assert plan["model.model.embed_tokens"] == "embedding_rowwise"  # added: the tied head must not be sharded alone
-    validate_tensor_parallel(tied, resolve_plan(tied, adapter=adapt(tied)), 2, adapter=adapt(tied))
+    validate_tensor_parallel(tied, concrete_plan(tied, adapter=adapt(tied)), 2, adapter=adapt(tied))
 
 
 def test_a_config_tie_the_weights_no_longer_keep_is_detected():

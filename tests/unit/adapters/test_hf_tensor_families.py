@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 from lightning_parallel.adapters import adapt
 from lightning_parallel.adapters.hf.styles import MlaKvAProj, SumGradientsOnUse
-from lightning_parallel.parallel.tensor.plan import loss_head, resolve_plan, validate_tensor_parallel
+from lightning_parallel.parallel.tensor.plan import loss_head, concrete_plan, validate_tensor_parallel
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
 
@@ -42,7 +42,7 @@ class Holder(nn.Module):
                                                ("olmo2", ("self_attn.q_proj", "self_attn.k_proj"))])
 def test_loss_parallel_shards_only_the_lm_head_logits(family, fused):
     holder = Holder(family, tie_word_embeddings=False)
-    plan = resolve_plan(holder, loss_parallel=True, adapter=adapt(holder))
+    plan = concrete_plan(holder, loss_parallel=True, adapter=adapt(holder))
     head = plan["model.lm_head"]
     assert isinstance(head, ColwiseParallel) and head.output_layouts == (Shard(-1),) and not head.use_local_output
     for name in fused:
@@ -66,14 +66,14 @@ def test_plan_patterns_naming_no_submodule_are_passed_over():
     assert "model.model.layers.*.mlp.gate_proj" not in plan  # ... that no layer holds: every layer is sparse
     assert plan["model.model.layers.*.self_attn.q_proj"] == "colwise"
     adapter = adapt(holder)
-    validate_tensor_parallel(holder, resolve_plan(holder, adapter=adapter), 2, adapter=adapter)
+    validate_tensor_parallel(holder, concrete_plan(holder, adapter=adapter), 2, adapter=adapter)
 
 
 def test_multi_head_latent_attention_projection_runs_and_its_heads_are_checked():
     holder = Holder("deepseek_v3", num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
                     qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
                     moe_intermediate_size=16, first_k_dense_replace=2, n_group=1, topk_group=1, head_dim=None)
-    plan = resolve_plan(holder, adapter=adapt(holder))
+    plan = concrete_plan(holder, adapter=adapt(holder))
     assert plan["model.model.layers.0.self_attn.kv_a_proj_with_mqa"] == MlaKvAProj(4)
     dims = adapt(holder).head_dimensions(plan)
     assert ("DeepseekV3Config has num_attention_heads=4 (attention heads)", 4) in dims
@@ -83,10 +83,10 @@ def test_multi_head_latent_attention_projection_runs_and_its_heads_are_checked()
 
 def test_parameters_on_sharded_features_sum_their_gradients_and_on_gathered_ones_do_not():
     apertus = Holder("apertus", hidden_act="xielu")
-    plan = resolve_plan(apertus, adapter=adapt(apertus))
+    plan = concrete_plan(apertus, adapter=adapt(apertus))
     assert isinstance(plan["model.model.layers.0.mlp.act_fn"], SumGradientsOnUse)
     olmo2_holder = Holder("olmo2")
-    olmo2 = resolve_plan(olmo2_holder, adapter=adapt(olmo2_holder))
+    olmo2 = concrete_plan(olmo2_holder, adapter=adapt(olmo2_holder))
     assert "model.model.layers.0.self_attn.q_norm" not in olmo2  # its q_proj output is gathered: whole gradients
 
 
@@ -133,5 +133,5 @@ def test_a_per_head_parameter_the_plan_leaves_whole_is_refused_before_start():
     with pytest.raises(ValueError, match=refusal):
         check_module(holder, ParallelLayout(2, 1, 1, 2), ParallelOptions(1, 1, 2))
     # The user's plan= may lift it.
-    plan = resolve_plan(holder, {"model.model.layers.*.self_attn": None}, adapter=adapt(holder))
+    plan = concrete_plan(holder, {"model.model.layers.*.self_attn": None}, adapter=adapt(holder))
     assert "model.model.layers.0.self_attn" not in plan

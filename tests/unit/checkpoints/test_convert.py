@@ -79,7 +79,6 @@ def test_requests_the_source_cannot_serve_are_refused(dcp_folder, zero0_folder, 
     path, _, _ = dcp_folder
     deepspeed, _, _ = zero0_folder
     _refused(capsys, [str(path), str(tmp_path / "m.pt"), "--tag", "checkpoint"], "--tag applies to a DeepSpeed")
-    _refused(capsys, [str(path), str(tmp_path / "m.ckpt"), "--trust-source"], "--trust-source applies to a single")
     _refused(capsys, [str(path), str(tmp_path / "m.ckpt"), "--module", "x.Y"], "--module applies where")
     _refused(capsys, [str(deepspeed), str(tmp_path / "m.pt"), "--module", "x.Y"], "--module applies where")
     _refused(capsys, [str(deepspeed), str(tmp_path / "m.pt"), "--no-optimizer"], "--no-optimizer applies")

@@ -7,7 +7,7 @@ import torch
 from examples.recsys.data import ClickDataModule, auc, feature_table_sizes, read_criteo_tsv, synthetic_click_log
 from examples.recsys.model import DLRM
 from lightning_parallel.adapters import adapt
-from lightning_parallel.parallel.tensor.plan import resolve_plan
+from lightning_parallel.parallel.tensor.plan import concrete_plan
 
 TABLES = (64, 32, 8, 8, 8)
 
@@ -80,7 +80,7 @@ def test_forward_shape_loss_and_plan():
     loss = model.pipeline_loss(logits, labels)
     assert loss.ndim == 0 and torch.isfinite(loss)
     assert torch.equal(model.predict_step((dense, sparse, labels)), logits)
-    assert set(resolve_plan(model, adapter=adapt(model))) == {f"embeddings.{j}" for j in range(len(TABLES))}
+    assert set(concrete_plan(model, adapter=adapt(model))) == {f"embeddings.{j}" for j in range(len(TABLES))}
     assert not callable(getattr(model, "pipeline_layers", None))  # not a chain: pipelines refuse it
 
 

@@ -7,7 +7,7 @@ import torch
 from examples.vision.data import ImageDataModule, load_image_folder, stratified_split
 from examples.vision.model import ViT
 from lightning_parallel.adapters import adapt
-from lightning_parallel.parallel.tensor.plan import resolve_plan
+from lightning_parallel.parallel.tensor.plan import concrete_plan
 
 
 def test_forward_shapes_and_pipeline_layers_compose():
@@ -26,7 +26,7 @@ def test_forward_shapes_and_pipeline_layers_compose():
 
 def test_tensor_plan_resolves_to_the_attention_and_mlp_of_every_block():
     model = ViT(n_layer=2).build()
-    plan = resolve_plan(model, adapter=adapt(model))
+    plan = concrete_plan(model, adapter=adapt(model))
     parts = ("attn", "attn.q", "attn.k", "attn.v", "attn.out", "mlp", "mlp.up", "mlp.down")
     assert set(plan) == {f"blocks.{i}.{m}" for i in range(2) for m in parts}
 

@@ -6,7 +6,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from lightning_parallel.adapters import adapt
-from lightning_parallel.parallel.tensor.plan import resolve_plan
+from lightning_parallel.parallel.tensor.plan import concrete_plan
 from lightning_parallel.parallel.tensor.ties import check_ties, restore_ties, tie_groups, weight_placement
 
 
@@ -43,7 +43,7 @@ def test_weight_placement_of_each_style(style, module, placement):
 def test_vocabulary_sharded_embedding_and_column_sharded_head_keep_the_tie():
     model = TiedLM()
     plan = {"embed": "embedding_rowwise", "head": "colwise_gather"}
-    check_ties(model, resolve_plan(model, plan, adapter=adapt(model)))
+    check_ties(model, concrete_plan(model, plan, adapter=adapt(model)))
 
 
 @pytest.mark.parametrize(
@@ -59,7 +59,7 @@ def test_vocabulary_sharded_embedding_and_column_sharded_head_keep_the_tie():
 def test_a_plan_that_would_untie_is_refused(plan, message):
     model = TiedLM()
     with pytest.raises(ValueError, match=rf"embed\.weight and head\.weight are one tied parameter.*{message}"):
-        check_ties(model, resolve_plan(model, plan, adapter=adapt(model)))
+        check_ties(model, concrete_plan(model, plan, adapter=adapt(model)))
 
 
 def test_restore_ties_points_every_name_at_one_parameter():
