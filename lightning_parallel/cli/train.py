@@ -252,6 +252,20 @@ def _expand_resume(overrides: list[str]) -> None:
     sys.argv = [sys.argv[0], *[a for a in sys.argv[1:] if a not in overrides], *expanded]
 
 
+def _check_overrides() -> None:
+    """Group options and keys of the command line against ``conf/`` (did-you-mean), before Hydra composes; not for
+    a child rank or another config folder, whose configuration is not ``conf/``."""
+    from lightning_parallel.cli.overrides_check import check_overrides
+
+    args = sys.argv[1:]
+    if any(a.startswith(("--config", "-c")) or a.lstrip("+").startswith("hydra.searchpath") for a in args):
+        return
+    try:
+        check_overrides([a for a in args if "=" in a and not a.startswith("-")], CONFIG_DIR)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
 def main() -> None:
     """Console entry point (``lp-train``): checks of the command line, signals, the Hydra app, the sweep's exit code."""
     from lightning_parallel.cli.launch import check_rank_config
@@ -261,6 +275,7 @@ def main() -> None:
     try:
         check_trainer_overrides(overrides)
         _expand_resume(overrides)
+        _check_overrides()
     except ConfigError as error:
         print(f"lp-train: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
