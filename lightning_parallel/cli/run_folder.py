@@ -162,6 +162,28 @@ def claim(output_dir: Path, identity: str, resume: bool, details: dict[str, Any]
     return record
 
 
+def discard_refused_folder(output_dir: Path) -> bool:
+    """Remove the folder of a run refused before it started (and its date folder when that is left empty), so
+    that nothing reads it as a run (``ckpt_path=last``, the list of recent runs); returns whether it was removed.
+
+    Only a folder this process named itself (:func:`folder_was_generated`) and that holds nothing a run wrote
+    (no checkpoints, no ``metrics.json``) is removed: a folder given with ``hydra.run.dir`` or ``resume`` stays.
+
+    Args:
+        output_dir: the run folder Hydra made for the refused run.
+    """
+    import shutil
+
+    if not folder_was_generated() or not output_dir.is_dir() or _holds_other_run(output_dir):
+        return False
+    shutil.rmtree(output_dir, ignore_errors=True)
+    try:
+        output_dir.parent.rmdir()  # the date folder, when this was its only run
+    except OSError:
+        pass
+    return not output_dir.exists()
+
+
 def _holds_other_run(output_dir: Path) -> bool:
     checkpoints = output_dir / "checkpoints"
     return (output_dir / "metrics.json").exists() or (checkpoints.is_dir() and any(checkpoints.iterdir()))

@@ -67,22 +67,32 @@ def _step_file(path: Path) -> Path:
     return first_model_states(top / tag)
 
 
-def recent_runs(root: Path, label: dict[str, Any], limit: int = 5) -> list[tuple[Path, Optional[Path]]]:
+def recent_runs(root: Path, label: dict[str, Any], limit: int = 5,
+                with_checkpoint: bool = False) -> list[tuple[Path, Optional[Path]]]:
     """Run folders under ``root/<date>/`` of the same experiment (or strategy), newest first.
 
     Args:
         root: the folder runs are made in (``outputs``).
         label: ``experiment`` and ``strategy`` of the run that asks.
         limit: how many to return.
+        with_checkpoint: only runs with a ``last*.ckpt``, chosen before the limit (the newest runs were often
+            refused or stopped early: filtering the 5 newest said "no run has a checkpoint" while one had).
     """
     key = "experiment" if label.get("experiment") else "strategy"
     runs = []
     for record in root.glob(f"*/*/{LP_DIR}/{RUN_FILE}"):
         folder = record.parent.parent
         if read_owner(folder).get(key) == label.get(key):
-            runs.append((record.stat().st_mtime, folder, last_checkpoint(folder / "checkpoints")))
+            runs.append((record.stat().st_mtime, folder))
     runs.sort(key=lambda item: item[0], reverse=True)
-    return [(folder, ckpt) for _, folder, ckpt in runs[:limit]]
+    found = []
+    for _, folder in runs:
+        ckpt = last_checkpoint(folder / "checkpoints")
+        if ckpt is not None or not with_checkpoint:
+            found.append((folder, ckpt))
+        if len(found) == limit:
+            break
+    return found
 
 
 def no_checkpoint_message(checkpoint_dir: Path, root: Path, label: dict[str, Any]) -> str:
@@ -96,7 +106,7 @@ def no_checkpoint_message(checkpoint_dir: Path, root: Path, label: dict[str, Any
     name = label.get("experiment") or label.get("strategy")
     lines = [f"ckpt_path=last, but {checkpoint_dir} holds no last*.ckpt (a new run folder has none): "
              f"continue an earlier run with resume=<its folder>, or drop ckpt_path for a fresh start."]
-    runs = [(folder, ckpt) for folder, ckpt in recent_runs(root, label) if ckpt is not None]
+    runs = recent_runs(root, label, with_checkpoint=True)
     if runs:
         lines.append(f"Recent runs of {name} with a checkpoint:")
         for folder, ckpt in runs:

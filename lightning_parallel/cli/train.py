@@ -32,7 +32,7 @@ from lightning_parallel.cli.preflight import layout_of as layout_of  # re-export
 from lightning_parallel.cli.preflight import world_size_of as world_size_of
 from lightning_parallel.cli.report import fit_metrics as fit_metrics  # re-exported: tests use it
 from lightning_parallel.cli.report import log_final_hparams, write_metrics
-from lightning_parallel.cli.run_folder import register_resolver
+from lightning_parallel.cli.run_folder import discard_refused_folder, register_resolver
 from lightning_parallel.cli.sweep_summary import SweepSummary, record_failure
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.runtime import signals
@@ -211,6 +211,8 @@ def _report_failure(error: BaseException, cfg: DictConfig) -> float:
         print(f"lp-train: job failed: {line} (full traceback: {log})", file=sys.stderr, flush=True)
         return float("nan")  # the sweep goes on; the summary gets a failure row
     if isinstance(error, ConfigError):
+        if os.environ.get("RANK", "0") == "0":  # refused before any rank started: no run folder is left behind
+            discard_refused_folder(Path(cfg.paths.output_dir))
         report_config_error(error)
     rank = os.environ.get("RANK", "0")
     if rank != "0" and "LP_PARENT_PID" in os.environ:
