@@ -21,8 +21,8 @@ Touch points, by package:
   and the loop state-dict layout of :func:`fit_loop_state` / :func:`epoch_end_loop_progress` /
   :func:`drop_loader_position`.
 * torch: :func:`unflatten_mesh_dim`, :func:`dcp_set_element`, :func:`dcp_metadata_path`, :func:`load_planner_target`,
-  :func:`grouped_mm`, :func:`keep_lr_scheduler_marker`, and for TorchRec (torch's optimizer in backward)
-  :func:`in_backward_optimizer_settings`.
+  :func:`grouped_mm`, :func:`keep_lr_scheduler_marker`, :func:`init_fake_process_group` (lp-simulate's world),
+  and for TorchRec (torch's optimizer in backward) :func:`in_backward_optimizer_settings`.
 * DeepSpeed: :func:`zero_merge_trainable_params`, :func:`zero3_param_coordinator`.
 * transformers: :func:`hf_class_plans`, :func:`hf_init_weights`, :func:`hf_checkpoint_conversions`,
   :func:`hf_rename_checkpoint_key`, :func:`attention_implementation`, :func:`can_set_attention_implementation`.
@@ -50,6 +50,7 @@ from lightning_parallel._compat.torch_internals import (
     dcp_set_element,
     grouped_mm,
     in_backward_optimizer_settings,
+    init_fake_process_group,
     keep_lr_scheduler_marker,
     load_planner_target,
     unflatten_mesh_dim,
@@ -68,7 +69,8 @@ __all__ = [
     "can_set_attention_implementation", "dcp_metadata_path", "dcp_set_element", "drop_loader_position",
     "drop_per_step_sigterm_broadcast", "epoch_end_loop_progress", "fit_loop_state", "fit_loop_train_dataloader",
     "grouped_mm", "hf_checkpoint_conversions", "hf_class_plans", "hf_init_weights", "hf_rename_checkpoint_key",
-    "in_backward_optimizer_settings", "init_deepspeed_distributed", "init_model_parallel_process_group",
+    "in_backward_optimizer_settings", "init_deepspeed_distributed", "init_fake_process_group",
+    "init_model_parallel_process_group",
     "keep_lr_scheduler_marker", "load_planner_target", "optimizers_to_device", "remove_module_hooks",
     "set_forward_redirection", "set_module_device_mesh", "unflatten_mesh_dim", "zero3_param_coordinator",
     "zero_merge_trainable_params",

@@ -80,3 +80,16 @@ def in_backward_optimizer_settings(param: Any) -> Optional[tuple[type, dict[str,
     if not classes:
         return None
     return classes[0], dict(kwargs[0] if kwargs else {})
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Make this process rank ``rank`` of a world of ``world_size`` in which every collective returns at once, moving
+    nothing (``lp-simulate``: one CPU process plays each rank class of a large world).
+
+    Why private: torch's "fake" backend and its ``FakeStore`` live in ``torch.testing._internal.distributed.fake_pg``
+    (importing it registers the backend); torch has no public way to build a world without processes.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

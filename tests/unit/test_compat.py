@@ -147,6 +147,21 @@ def test_device_mesh_unflatten_takes_dim_sizes_and_names():
     assert params[:4] == ["self", "dim", "mesh_sizes", "mesh_dim_names"]
 
 
+def test_fake_process_group_plays_one_rank_of_a_large_world():
+    """``init_fake_process_group``: torch's "fake" backend (``torch.testing._internal.distributed.fake_pg``), which
+    ``lp-simulate`` plays every rank class in; its collectives return without moving anything."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this test process")
+    _compat.init_fake_process_group(5, 4096)
+    try:
+        assert (dist.get_rank(), dist.get_world_size()) == (5, 4096)
+        dist.all_reduce(torch.ones(2))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_dcp_set_element_exists():
     from torch.distributed.checkpoint._traverse import set_element
 
