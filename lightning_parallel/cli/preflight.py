@@ -264,13 +264,16 @@ def preflight(cfg: DictConfig) -> tuple[Any, ParallelLayout]:
     """Build the strategy and check the trainer, data, layout and model, before any process starts.
 
     Raises:
-        ConfigError: the first thing that cannot work, in the order trainer, data, strategy choices, sizes, world,
-            schedule, batch and lr after rescaling, micro-batches, optimizer, precision, model, pretrained weights.
+        ConfigError: the first thing that cannot work, in the order trainer, targets, data, strategy choices, sizes,
+            world, schedule, batch and lr after rescaling, micro-batches, optimizer, precision, model, pretrained
+            weights.
     """
     from lightning_parallel.cli import value_checks as values
+    from lightning_parallel.cli.target_checks import check_targets
 
     try:
         _check_trainer(cfg)
+        check_targets(cfg)
         values.check_trainer_values(cfg)
         _check_data(cfg)
         values.check_data_values(cfg)
