@@ -147,7 +147,9 @@ def unreadable_checkpoint_error(path: PathLike, reader: str = "lightning_paralle
     return ValueError(f"{reader} cannot resume from {str(path)!r}: it looks like {description} ({writer}).")
 
 
-def _read_dcp_folder(path: Path, optimizer_state: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+def _read_dcp_folder(
+    path: Path, optimizer_state: bool = True, weights_only: Optional[bool] = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every entry of a DCP folder in full, by DCP key (one process; the optimizer's only if asked), and ``meta.pt``."""
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -164,11 +166,11 @@ def _read_dcp_folder(path: Path, optimizer_state: bool = True) -> tuple[dict[str
     }
     with single_process():
         load(entries, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=True)
-    return entries, load_plain(path / METADATA_FILE)
+    return entries, load_plain(path / METADATA_FILE, weights_only=weights_only is not False)
 
 
-def _dcp_as_checkpoint(path: Path, optimizer_state: bool) -> dict[str, Any]:
-    entries, checkpoint = _read_dcp_folder(path, optimizer_state)
+def _dcp_as_checkpoint(path: Path, optimizer_state: bool, weights_only: Optional[bool]) -> dict[str, Any]:
+    entries, checkpoint = _read_dcp_folder(path, optimizer_state, weights_only)
     model_key = next((k for k in MODEL_KEYS if any(e.startswith(f"{k}.") for e in entries)), MODEL_KEYS[0])
     checkpoint["state_dict"] = {k[len(model_key) + 1 :]: v for k, v in entries.items() if k.startswith(f"{model_key}.")}
     optimizers = sorted({k.split(".", 1)[0] for k in entries if k.startswith("optimizer_")}, key=lambda k: int(k[10:]))
@@ -219,7 +221,8 @@ def read_lightning_checkpoint(
         group_names: single files only: per optimizer, the parameter names of each param group
             in the order the optimizer was built. Default: inferred from the weights' order and
             the state's shapes (refused when more than one assignment fits).
-        weights_only: single files only; ``False`` unpickles any object (trusted files only).
+        weights_only: ``False`` unpickles any object in a single file or a DCP folder's ``meta.pt`` (trusted
+            files only); a DCP folder's ``.metadata`` and entries always go through the allow-list.
         optimizer_state: ``False`` reads no optimizer state (nothing to match: weights-only targets).
 
     Returns:
@@ -240,7 +243,7 @@ def read_lightning_checkpoint(
     if writer == "lightning-single-file":
         checkpoint = _single_file_as_checkpoint(Path(path), group_names, weights_only, optimizer_state)
     elif writer in ("lightning-dcp", "suite-dcp"):
-        checkpoint = _dcp_as_checkpoint(resolve_checkpoint(Path(path)), optimizer_state)
+        checkpoint = _dcp_as_checkpoint(resolve_checkpoint(Path(path)), optimizer_state, weights_only)
     else:
         raise unreadable_checkpoint_error(path, reader="read_lightning_checkpoint")
     return {key: value if key == "state_dict" else plain_containers(value) for key, value in checkpoint.items()}

@@ -34,6 +34,7 @@ from lightning_parallel.checkpoints.dcp import load_model_and_optimizers, load_s
 from lightning_parallel.checkpoints.detect import describe_checkpoint, unreadable_checkpoint_error
 from lightning_parallel.checkpoints.lightning.reader import load_single_file, single_file_entries
 from lightning_parallel.checkpoints.memory_reader import InMemoryReader
+from lightning_parallel.checkpoints.safe_loading import CheckpointRefused
 
 DROPPED = ("load_optimizer_state=False: loaded the weights, loops, LR schedulers and callbacks of {path}; its "
            "optimizer state ({what}) was dropped and the optimizer starts afresh as configure_optimizers builds it "
@@ -100,10 +101,12 @@ def _load_single_file(
     return checkpoint
 
 
-def _convert_deepspeed_on_each_node(path: Path, local_coordinator: bool, optimizer_state: bool) -> Path:
+def _convert_deepspeed_on_each_node(
+    path: Path, local_coordinator: bool, optimizer_state: bool, weights_only: Optional[bool]
+) -> Path:
     """Local rank 0 of every node converts ``path`` into one node-local temporary suite folder.
 
-    All ranks get its path.
+    All ranks get its path. A folder refused by the allow-list raises :class:`CheckpointRefused` on every rank.
     """
     from lightning_parallel.checkpoints.deepspeed.convert import convert_to_dcp
 
@@ -112,14 +115,16 @@ def _convert_deepspeed_on_each_node(path: Path, local_coordinator: bool, optimiz
     error = None
     if local_coordinator:
         try:
-            convert_to_dcp(path, folder, optimizer_state=optimizer_state)
+            convert_to_dcp(path, folder, optimizer_state=optimizer_state, weights_only=weights_only)
         except (ValueError, OSError) as failure:
-            error = str(failure)
+            error = (isinstance(failure, CheckpointRefused), str(failure))
     errors = [e for e in _all_gather(error) if e]
     if errors:  # every rank raises, none waits in a later collective
         if local_coordinator:
             shutil.rmtree(folder.parent, ignore_errors=True)
-        raise ValueError(f"Reading the DeepSpeed checkpoint {str(path)!r} failed: {errors[0]}")
+        refused, message = errors[0]
+        raise (CheckpointRefused if refused else ValueError)(
+            f"Reading the DeepSpeed checkpoint {str(path)!r} failed: {message}")
     return folder
 
 
@@ -141,7 +146,9 @@ def resume_from(
         optimizers: its torch optimizers (empty outside fitting).
         strict: every weight of the module must be in the checkpoint.
         load_optimizer_state: ``False`` loads everything but the optimizer state (with a warning).
-        weights_only: ``torch.load``'s, for single files and ``meta.pt``.
+        weights_only: ``None``/``True``: every file is unpickled through the suite's allow-lists (single files,
+            ``meta.pt``, DeepSpeed's files); ``False`` (``Trainer.fit(..., weights_only=False)``) admits any
+            object in them, for a checkpoint the user trusts.
         local_coordinator: True on one rank per node (local rank 0), which converts DeepSpeed folders.
         reader: the strategy's name, for error messages.
 
@@ -160,7 +167,7 @@ def resume_from(
         return _load_single_file(path, module, loaded, strict, weights_only)
     if writer != "deepspeed":
         return load_sharded_checkpoint(path, module, loaded, strict, weights_only)
-    folder = _convert_deepspeed_on_each_node(path, local_coordinator, load_optimizer_state)
+    folder = _convert_deepspeed_on_each_node(path, local_coordinator, load_optimizer_state, weights_only)
     try:
         return load_sharded_checkpoint(folder, module, loaded, strict, weights_only)
     finally:

@@ -12,6 +12,11 @@ Lightning stores a module's hyper-parameters as ``save_hyperparameters`` kept th
 ``torch.load(weights_only=True)`` here runs inside :func:`safe_globals`, which admits exactly
 OmegaConf's container, node and metadata classes (and the types they record) -- never a class of the
 user's own (a structured config's dataclass, an enum value) nor anything with a ``__reduce__`` payload.
+
+DeepSpeed folders are read the same way (:func:`load_deepspeed_file`), with exactly the DeepSpeed classes
+its files hold admitted too; DeepSpeed's own readers (``zero_to_fp32``, ``engine.load_checkpoint``) unpickle
+with ``weights_only=False``, so a folder is checked file by file (:func:`check_deepspeed_folder`) before they
+see it. A file the user trusts is read without the allow-list only when asked: :data:`TRUST_OPT_IN`.
 """
 
 from __future__ import annotations
@@ -24,12 +29,24 @@ import pickle
 import typing
 from collections import defaultdict
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from lightning_parallel._compat import dcp_metadata_path, dcp_set_element, load_planner_target
+
+# How a user says "I trust this file, unpickle whatever it holds" -- one spelling per door.
+TRUST_OPT_IN = "Trainer.fit(..., weights_only=False) or the reader's weights_only=False, or lp-convert --trust-source"
+# What DeepSpeed 0.19.8 pickles into a checkpoint beyond tensors and plain values: the ZeRO optimizer shards'
+# stage, loss scaler and fragment addresses (seen in the folders Lightning's DeepSpeed strategy writes at ZeRO 0-3,
+# fp32 and bf16-mixed, AdamW and SGD; the model-state files hold none). DynamicLossScaler is what fp16 saves there.
+DEEPSPEED_GLOBALS = (
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+)
 
 
 class CheckpointRefused(ValueError):
@@ -60,7 +77,8 @@ class MetadataUnpickler(pickle.Unpickler):
         if not allowed:
             raise CheckpointRefused(
                 f"Refusing to load a checkpoint whose metadata references {module}.{name}: a checkpoint holds only "
-                "tensors and plain values. The file was tampered with or written by something else."
+                "tensors and plain values. The file was tampered with or written by something else (DCP writes only "
+                "its own classes into .metadata, so no opt-in reads it: save the checkpoint again from its source)."
             )
         return super().find_class(module, name)
 
@@ -98,7 +116,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as error:
-            raise CheckpointRefused(f"Refusing checkpoint entry {read_item.dest_index.fqn!r}: {error}") from None
+            raise CheckpointRefused(
+                f"Refusing checkpoint entry {read_item.dest_index.fqn!r}: it holds more than tensors and plain values "
+                f"({_first_line(error)}); the folder was tampered with or written by something else."
+            ) from None
         flatten, original_state_dict, state_dict, mappings = load_planner_target(self)
         if flatten:  # stored where DefaultLoadPlanner itself would store it
             dcp_set_element(original_state_dict, mappings[read_item.dest_index.fqn], loaded)
@@ -161,6 +182,20 @@ def plain_containers(value: Any) -> Any:
     return value
 
 
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def refusal(file: Any, error: BaseException) -> CheckpointRefused:
+    """The error for a file whose pickle holds objects beyond the allow-list, naming the opt-in."""
+    return CheckpointRefused(
+        f"Refusing {str(file)!r}: it holds objects other than tensors and plain values ({_first_line(error)}). It was "
+        f"tampered with, or saved extra objects; unpickling them runs whatever they hold. If you trust its origin, "
+        f"pass {TRUST_OPT_IN}."
+    )
+
+
 def load_plain(file: Any, weights_only: bool = True) -> Any:
     """``torch.load`` of a file that must hold only tensors and plain values (``meta.pt``).
 
@@ -175,4 +210,59 @@ def load_plain(file: Any, weights_only: bool = True) -> Any:
         with safe_globals():
             return torch.load(file, weights_only=weights_only)
     except pickle.UnpicklingError as error:
-        raise CheckpointRefused(f"Refusing {file}: it holds more than tensors and plain values ({error}).") from None
+        raise refusal(file, error) from None
+
+
+def _deepspeed_globals() -> list[Any]:
+    """The classes of :data:`DEEPSPEED_GLOBALS` (none without DeepSpeed: its ZeRO shards then stay refused)."""
+    import importlib
+
+    try:
+        return [getattr(importlib.import_module(module), name) for module, name in DEEPSPEED_GLOBALS]
+    except ImportError:
+        return []
+
+
+def load_deepspeed_file(file: Any, weights_only: Optional[bool] = None) -> Any:
+    """``torch.load`` of a DeepSpeed model- or optimizer-state file, memory-mapped on the CPU.
+
+    Args:
+        file: a ``*_model_states.pt`` or ``*_optim_states.pt`` file.
+        weights_only: ``None``/``True``: tensors, plain values, OmegaConf containers (Hydra's
+            hyper-parameters in Lightning's entries) and :data:`DEEPSPEED_GLOBALS` only; ``False``:
+            anything (a file the user trusts).
+
+    Raises:
+        CheckpointRefused: the file holds other objects (tampered or foreign).
+
+    Note:
+        ``DynamicLossScaler``, ``LossScaler`` and ``fragment_address`` are rebuilt by setting their
+        ``__dict__`` and ``ZeroStageEnum`` by its value: none runs code of the file's choosing.
+    """
+    try:
+        with torch.serialization.safe_globals(_omegaconf_globals() + _deepspeed_globals()):
+            return torch.load(file, map_location="cpu", mmap=True, weights_only=weights_only is not False)
+    except pickle.UnpicklingError as error:
+        raise refusal(file, error) from None
+
+
+def check_deepspeed_folder(tag_dir: Any, weights_only: Optional[bool] = None) -> None:
+    """Refuse a DeepSpeed tag folder any of whose ``.pt`` files holds more than :func:`load_deepspeed_file` admits.
+
+    Call it before DeepSpeed's own readers see the folder (``zero_to_fp32``, ``engine.load_checkpoint``): they
+    unpickle every file with ``weights_only=False``, which runs whatever a tampered file holds.
+
+    Args:
+        tag_dir: the tag folder (``checkpoint/`` of what ``trainer.save_checkpoint`` wrote).
+        weights_only: ``False``: the user trusts the folder, nothing is checked.
+
+    Raises:
+        CheckpointRefused: a file holds other objects (tampered or foreign).
+
+    Note:
+        Each file's pickle is read once more; its tensors are memory-mapped, not read.
+    """
+    if weights_only is False:
+        return
+    for file in sorted(pathlib.Path(tag_dir).rglob("*.pt")):
+        load_deepspeed_file(file)

@@ -42,7 +42,6 @@ from lightning_parallel.checkpoints.deepspeed.folder import (
     consolidate_state_dict,
     first_model_states,
     lightning_entries,
-    load_trusted,
     resolve_folder,
 )
 from lightning_parallel.checkpoints.detect import describe_checkpoint, read_lightning_checkpoint
@@ -53,6 +52,7 @@ from lightning_parallel.checkpoints.lightning.writer import convert_to_lightning
 from lightning_parallel.checkpoints.pt import PREFIX, consolidate, export_state_dict, write_state_dict
 from lightning_parallel.checkpoints.safe_loading import (
     SafeFileSystemReader,
+    load_deepspeed_file,
     load_plain,
     plain_containers,
     safe_globals,
@@ -76,7 +76,7 @@ def _weights_only(args: argparse.Namespace) -> Optional[bool]:
 def _hyper_parameters(args: argparse.Namespace) -> tuple[dict[str, Any], Optional[str]]:
     """The source's hyper-parameters (plain containers) and ``hparams_name``, to build ``--module`` from."""
     if detect_source(args.src) == "deepspeed":
-        meta = _deepspeed_meta(args.src, args.tag)
+        meta = _deepspeed_meta(args)
     else:
         meta = load_single_file(Path(args.src), _weights_only(args))
     return plain_containers(dict(meta.get("hyper_parameters") or {})), meta.get("hparams_name")
@@ -109,9 +109,9 @@ def _lightning_to_dcp(args: argparse.Namespace) -> Path:
     return save_on_one_process(Path(args.dst), state, checkpoint)
 
 
-def _deepspeed_meta(src: Path, tag: Any) -> dict[str, Any]:
-    top, tag = resolve_folder(src, tag)
-    return lightning_entries(load_trusted(first_model_states(top / tag)), top / tag)
+def _deepspeed_meta(args: argparse.Namespace) -> dict[str, Any]:
+    top, tag = resolve_folder(args.src, args.tag)
+    return lightning_entries(load_deepspeed_file(first_model_states(top / tag), _weights_only(args)), top / tag)
 
 
 def _to_hf(weights: dict[str, torch.Tensor], meta: dict[str, Any], args: argparse.Namespace) -> Path:
@@ -120,8 +120,8 @@ def _to_hf(weights: dict[str, torch.Tensor], meta: dict[str, Any], args: argpars
     return out
 
 
-def _suite_meta(src: Path) -> dict[str, Any]:
-    return load_plain(resolve_checkpoint(src) / METADATA_FILE, weights_only=True)
+def _suite_meta(args: argparse.Namespace) -> dict[str, Any]:
+    return load_plain(resolve_checkpoint(args.src) / METADATA_FILE, weights_only=not args.trust_source)
 
 
 def _lightning_to_pt(args: argparse.Namespace) -> Path:
@@ -135,26 +135,29 @@ def _lightning_to_hf(args: argparse.Namespace) -> Path:
 
 def _deepspeed_to_lightning(args: argparse.Namespace) -> Path:
     groups = _first(_group_names(args)) if not args.no_optimizer else None
-    return write_state_dict(as_lightning_checkpoint(args.src, args.tag, not args.no_optimizer, groups), args.dst)
+    checkpoint = as_lightning_checkpoint(args.src, args.tag, not args.no_optimizer, groups, _weights_only(args))
+    return write_state_dict(checkpoint, args.dst)
 
 
 def _deepspeed_to_dcp(args: argparse.Namespace) -> Path:
     groups = _first(_group_names(args))
-    return convert_to_dcp(args.src, args.dst, args.tag, optimizer_state=not args.no_optimizer, group_names=groups)
+    return convert_to_dcp(args.src, args.dst, args.tag, optimizer_state=not args.no_optimizer, group_names=groups,
+                          weights_only=_weights_only(args))
 
 
 # (source kind, --to) -> the conversion: every source converts to every output.
 _CONVERSIONS: dict[tuple[str, str], Callable[[argparse.Namespace], Path]] = {
     ("deepspeed", "dcp"): _deepspeed_to_dcp,
     ("deepspeed", "lightning"): _deepspeed_to_lightning,
-    ("deepspeed", "pt"): lambda a: convert_checkpoint(a.src, a.dst, a.tag),
-    ("deepspeed", "hf"): lambda a: _to_hf(consolidate_state_dict(a.src, a.tag), _deepspeed_meta(a.src, a.tag), a),
+    ("deepspeed", "pt"): lambda a: convert_checkpoint(a.src, a.dst, a.tag, _weights_only(a)),
+    ("deepspeed", "hf"): lambda a: _to_hf(consolidate_state_dict(a.src, a.tag, _weights_only(a)), _deepspeed_meta(a),
+                                          a),
     ("suite-dcp", "dcp"): _lightning_to_dcp,
     ("suite-dcp", "pt"): lambda a: export_state_dict(a.src, a.dst),
-    ("suite-dcp", "lightning"): lambda a: convert_to_lightning(a.src, a.dst, optimizer_state=not a.no_optimizer),
-    ("suite-dcp", "hf"): lambda a: _to_hf(consolidate(a.src), _suite_meta(a.src), a),
+    ("suite-dcp", "lightning"): lambda a: convert_to_lightning(a.src, a.dst, not a.no_optimizer, _weights_only(a)),
+    ("suite-dcp", "hf"): lambda a: _to_hf(consolidate(a.src), _suite_meta(a), a),
     ("lightning-dcp", "dcp"): _lightning_to_dcp,
-    ("lightning-dcp", "lightning"): lambda a: convert_to_lightning(a.src, a.dst, optimizer_state=not a.no_optimizer),
+    ("lightning-dcp", "lightning"): lambda a: convert_to_lightning(a.src, a.dst, not a.no_optimizer, _weights_only(a)),
     ("lightning-dcp", "pt"): _lightning_to_pt,
     ("lightning-dcp", "hf"): _lightning_to_hf,
     ("lightning-single-file", "dcp"): _lightning_to_dcp,
@@ -192,9 +195,6 @@ def _plan(args: argparse.Namespace) -> tuple[str, str]:
         raise ValueError("--tag applies to a DeepSpeed source only.")
     if args.hf_config is not None and to != "hf":
         raise ValueError("--hf-config applies to --to hf only.")
-    if args.trust_source and source != "lightning-single-file":
-        raise ValueError("--trust-source applies to a single-file Lightning source only (the others hold no "
-                         "objects to trust; DeepSpeed folders are always read as trusted).")
     if args.module is not None and (source not in _POSITIONAL or to not in ("dcp", "lightning") or args.no_optimizer):
         raise ValueError("--module applies where optimizer state by position is converted with its names: a "
                          "Lightning file or DeepSpeed folder to dcp or lightning, without --no-optimizer.")
@@ -267,8 +267,10 @@ def _parser() -> argparse.ArgumentParser:
                              "its configure_optimizers names the param groups when the positions of a Lightning file "
                              "or DeepSpeed ZeRO-0 folder cannot be matched to parameters from the file alone")
     parser.add_argument("--trust-source", action="store_true",
-                        help="a Lightning file holding objects beyond tensors and plain values: unpickle them "
-                             "(weights_only=False; runs whatever the file holds: only for files you trust)")
+                        help="a source holding objects beyond tensors, plain values and the allow-listed classes "
+                             "(a Lightning file, a DeepSpeed folder, a DCP folder's meta.pt): unpickle them "
+                             "(weights_only=False; runs whatever the files hold: only for checkpoints you trust). "
+                             "By default such a source is refused. A DCP folder's .metadata is never trusted")
     return parser
 
 

@@ -13,9 +13,10 @@ Every conversion runs on one process with no process group (``lp-convert ZERO_DI
 - :func:`as_lightning_checkpoint` gives what ``trainer.save_checkpoint`` writes under Lightning's
   single-device and DDP strategies, which resume it with ``fit(ckpt_path=...)``.
 
-Reading needs DeepSpeed installed and unpickles its files with ``weights_only=False``
-(they hold DeepSpeed objects): convert only checkpoints you trust. The outputs do not need
-DeepSpeed, and the DCP folder is read by the suite's allow-listed loader.
+Reading needs DeepSpeed installed (ZeRO 1-3) and unpickles its files through an allow-list (tensors, plain
+values, OmegaConf containers, the DeepSpeed classes its files hold: see
+:mod:`~lightning_parallel.checkpoints.deepspeed.folder`); ``weights_only=False`` reads a folder you trust
+without it. The outputs do not need DeepSpeed, and the DCP folder is read by the suite's allow-listed loader.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from lightning_parallel.checkpoints.deepspeed.folder import (
     consolidate_state_dict,
     first_model_states,
     lightning_entries,
-    load_trusted,
     resolve_folder,
 )
 from lightning_parallel.checkpoints.deepspeed.optimizer import consolidate_optimizer_state
@@ -41,7 +41,7 @@ from lightning_parallel.checkpoints.lightning.groups import PositionsUnknown
 from lightning_parallel.checkpoints.lightning.reader import ORDER_KEY, flatten_optimizer_state
 from lightning_parallel.checkpoints.lightning.writer import index_keyed_optimizer_state, recorded_entry
 from lightning_parallel.checkpoints.pt import write_state_dict
-from lightning_parallel.checkpoints.safe_loading import plain_containers
+from lightning_parallel.checkpoints.safe_loading import load_deepspeed_file, plain_containers
 
 
 def _child(module: nn.Module, name: str) -> nn.Module:
@@ -125,6 +125,7 @@ def convert_to_dcp(
     tag: str | None = None,
     optimizer_state: bool = True,
     group_names: Optional[Sequence[Sequence[str]]] = None,
+    weights_only: Optional[bool] = None,
 ) -> Path:
     """Write a DeepSpeed checkpoint as the suite's DCP folder, so another layout resumes the run.
 
@@ -143,6 +144,7 @@ def convert_to_dcp(
             keys zeroed (step 0), so the resumed run restarts the optimizer as a new one would
             (none at all where ZeRO-0 positions cannot be named).
         group_names: ZeRO stage 0 only: the names of each param group (see ``consolidate_optimizer_state``).
+        weights_only: ``False`` unpickles any object (a folder you trust); by default the allow-list.
 
     Returns:
         The folder written.
@@ -156,10 +158,10 @@ def convert_to_dcp(
         rank of a running job without turning into a collective.
     """
     top, tag = resolve_folder(checkpoint_dir, tag)
-    model_state = load_trusted(first_model_states(top / tag))
+    model_state = load_deepspeed_file(first_model_states(top / tag), weights_only)
     metadata = lightning_entries(model_state, top / tag)
-    weights = consolidate_state_dict(top, tag)
-    gathered = _named_optimizer_state(top, tag, group_names, optimizer_state)
+    weights = consolidate_state_dict(top, tag, weights_only)
+    gathered = _named_optimizer_state(top, tag, group_names, optimizer_state, weights_only)
     groups = None if gathered is None else [list(group["params"]) for group in gathered["param_groups"]]
     metadata["lightning_parallel"] = _source_entry(model_state, optimizer_state, groups)
     state = {"state_dict": weights}
@@ -169,12 +171,13 @@ def convert_to_dcp(
 
 
 def _named_optimizer_state(
-    top: Path, tag: str, group_names: Optional[Sequence[Sequence[str]]], optimizer_state: bool
+    top: Path, tag: str, group_names: Optional[Sequence[Sequence[str]]], optimizer_state: bool,
+    weights_only: Optional[bool],
 ) -> Optional[dict[str, Any]]:
     """:func:`consolidate_optimizer_state`, or None where no state is asked for and ZeRO-0 positions have no names
     (without names there are no keys to zero: the state is left out, as for a Lightning source)."""
     try:
-        return consolidate_optimizer_state(top, tag, group_names)
+        return consolidate_optimizer_state(top, tag, group_names, weights_only)
     except PositionsUnknown:
         if optimizer_state:
             raise
@@ -186,6 +189,7 @@ def as_lightning_checkpoint(
     tag: str | None = None,
     optimizer_state: bool = True,
     group_names: Optional[Sequence[Sequence[str]]] = None,
+    weights_only: Optional[bool] = None,
 ) -> dict[str, Any]:
     """A DeepSpeed checkpoint as the dict Lightning's single-device and DDP strategies write (save_checkpoint).
 
@@ -199,17 +203,18 @@ def as_lightning_checkpoint(
         tag: the tag to read; default: the one named in ``latest``.
         optimizer_state: ``False`` leaves ``optimizer_states`` out (weights and training state only).
         group_names: ZeRO stage 0 only: the names of each param group.
+        weights_only: ``False`` unpickles any object (a folder you trust); by default the allow-list.
 
     Raises:
         ValueError: not a DeepSpeed checkpoint written by Lightning, or optimizer state that cannot be
             re-split per parameter or named.
     """
     top, tag = resolve_folder(checkpoint_dir, tag)
-    metadata = lightning_entries(load_trusted(first_model_states(top / tag)), top / tag)
+    metadata = lightning_entries(load_deepspeed_file(first_model_states(top / tag), weights_only), top / tag)
     result = {key: plain_containers(value) for key, value in metadata.items() if key != "lightning_parallel"}
-    result["state_dict"] = consolidate_state_dict(top, tag)
+    result["state_dict"] = consolidate_state_dict(top, tag, weights_only)
     if optimizer_state:
-        named = consolidate_optimizer_state(top, tag, group_names)
+        named = consolidate_optimizer_state(top, tag, group_names, weights_only)
         groups = [list(group["params"]) for group in named["param_groups"]]
         state = index_keyed_optimizer_state(flatten_optimizer_state(named), groups, "optimizer_0")
         result["optimizer_states"] = [state]
@@ -217,7 +222,9 @@ def as_lightning_checkpoint(
     return result
 
 
-def convert_checkpoint(checkpoint_dir: PathLike, output_file: PathLike, tag: str | None = None) -> Path:
+def convert_checkpoint(
+    checkpoint_dir: PathLike, output_file: PathLike, tag: str | None = None, weights_only: Optional[bool] = None
+) -> Path:
     """Write a DeepSpeed checkpoint's weights as one ``torch.save`` file of a plain ``state_dict``.
 
     Args:
@@ -225,8 +232,9 @@ def convert_checkpoint(checkpoint_dir: PathLike, output_file: PathLike, tag: str
         output_file: the file to write (its folder is created); written to a temporary
             name first and renamed, so a failed run never leaves a half-written file.
         tag: the tag to read; default: the one named in ``latest``.
+        weights_only: ``False`` unpickles any object (a folder you trust); by default the allow-list.
 
     Returns:
         The path written.
     """
-    return write_state_dict(consolidate_state_dict(checkpoint_dir, tag), Path(output_file))
+    return write_state_dict(consolidate_state_dict(checkpoint_dir, tag, weights_only), Path(output_file))

@@ -1,15 +1,20 @@
 """Reading a DeepSpeed checkpoint folder: where it is, its weights and Lightning's state in it.
 
-``trainer.save_checkpoint(path)`` under :class:`~lightning_parallel.strategies.deepspeed.DeepSpeedDataParallelStrategy`
-writes a *folder*: ``path/latest`` names a tag (``checkpoint``), and ``path/checkpoint/``
+``trainer.save_checkpoint(path)`` under
+:class:`~lightning_parallel.strategies.deepspeed.strategy.DeepSpeedDataParallelStrategy` writes a *folder*:
+``path/latest`` names a tag (``checkpoint``), and ``path/checkpoint/``
 holds the model-state file(s) -- which also carry Lightning's own state (loops, global
 step, schedulers, callbacks) -- and one optimizer-state shard per rank. Under ZeRO 1-3 the
 fp32 weights and the optimizer state (Adam's moments, SGD's momentum) live there as flat
 per-rank partitions, so no single file holds the model. The optimizer state is read by
 :mod:`~lightning_parallel.checkpoints.deepspeed.optimizer`.
 
-Reading needs DeepSpeed installed and unpickles its files with ``weights_only=False``
-(they hold DeepSpeed objects): read only checkpoints you trust.
+Reading needs DeepSpeed installed (for ZeRO 1-3). Every file is unpickled through an allow-list: tensors,
+plain values, OmegaConf containers and the few DeepSpeed classes its files hold
+(:func:`~lightning_parallel.checkpoints.safe_loading.load_deepspeed_file`); DeepSpeed's own ``zero_to_fp32``
+reads them with ``weights_only=False``, so the folder is checked file by file first. A tampered file is
+refused with :class:`~lightning_parallel.checkpoints.safe_loading.CheckpointRefused`; ``weights_only=False``
+reads a folder the user trusts without the allow-list.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ import io
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
+
+from lightning_parallel.checkpoints.safe_loading import check_deepspeed_folder, load_deepspeed_file
 
 PathLike = str | os.PathLike
 # Lightning wrapped modules under this name in older versions; weights saved then carry it.
@@ -91,15 +98,6 @@ def strip_wrapper(name: str) -> str:
     return name.removeprefix(_WRAPPER_PREFIX)
 
 
-def load_trusted(file: Path) -> dict[str, Any]:
-    """``torch.load`` of a DeepSpeed file, memory-mapped on the CPU.
-
-    DeepSpeed pickles its own classes (ZeroStageEnum, fragment_address, ...) into these
-    files, so ``weights_only=True`` cannot read them; see the module docstring.
-    """
-    return torch.load(file, map_location="cpu", weights_only=False, mmap=True)
-
-
 def first_model_states(tag_dir: Path) -> Path:
     """The model-state file Lightning's state is read from (ZeRO-3 writes one per rank, all alike)."""
     files = sorted(tag_dir.glob("*model_states.pt"))
@@ -108,12 +106,15 @@ def first_model_states(tag_dir: Path) -> Path:
     return (tag_dir / MODEL_STATES) if (tag_dir / MODEL_STATES).is_file() else files[0]
 
 
-def consolidate_state_dict(checkpoint_dir: PathLike, tag: str | None = None) -> OrderedDict[str, torch.Tensor]:
+def consolidate_state_dict(
+    checkpoint_dir: PathLike, tag: str | None = None, weights_only: Optional[bool] = None
+) -> OrderedDict[str, torch.Tensor]:
     """Gather a DeepSpeed checkpoint's weights into one fp32 ``state_dict`` on the CPU.
 
     Args:
         checkpoint_dir: the folder written by ``trainer.save_checkpoint`` (or its tag folder).
         tag: the tag to read; default: the one named in ``latest``.
+        weights_only: ``False`` unpickles any object (a folder you trust); see the module docstring.
 
     Returns:
         Parameter (and buffer) names of the LightningModule mapped to full fp32 CPU tensors,
@@ -121,6 +122,7 @@ def consolidate_state_dict(checkpoint_dir: PathLike, tag: str | None = None) -> 
 
     Raises:
         ValueError: the folder is not a DeepSpeed checkpoint.
+        CheckpointRefused: a file holds objects beyond the allow-list.
 
     Note:
         ZeRO 1-3 keep the fp32 master weights in per-rank optimizer shards, which
@@ -133,10 +135,11 @@ def consolidate_state_dict(checkpoint_dir: PathLike, tag: str | None = None) -> 
     """
     top, tag = resolve_folder(checkpoint_dir, tag)
     tag_dir = top / tag
-    module_order = [strip_wrapper(name) for name in load_trusted(first_model_states(tag_dir)).get("module") or ()]
+    first = load_deepspeed_file(first_model_states(tag_dir), weights_only)
+    module_order = [strip_wrapper(name) for name in first.get("module") or ()]
     if has_zero_shards(tag_dir):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
+        check_deepspeed_folder(tag_dir, weights_only)  # zero_to_fp32 unpickles with weights_only=False
         # Silenced: it prints a line per step and progress bars (exceptions still propagate).
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             state = get_fp32_state_dict_from_zero_checkpoint(str(top), tag=tag)
@@ -146,7 +149,7 @@ def consolidate_state_dict(checkpoint_dir: PathLike, tag: str | None = None) -> 
             raise ValueError(
                 f"{str(tag_dir)!r} holds neither ZeRO shards nor {MODEL_STATES}: not a DeepSpeed checkpoint."
             )
-        state = load_trusted(model_file)["module"]
+        state = load_deepspeed_file(model_file, weights_only)["module"]
     consolidated: OrderedDict[str, torch.Tensor] = OrderedDict()
     for name, tensor in state.items():
         tensor = tensor.detach().cpu()
@@ -155,7 +158,9 @@ def consolidate_state_dict(checkpoint_dir: PathLike, tag: str | None = None) -> 
     return OrderedDict(sorted(consolidated.items(), key=lambda item: position.get(item[0], len(position))))
 
 
-def read_lightning_state(checkpoint_dir: PathLike, tag: str | None = None) -> dict[str, Any]:
+def read_lightning_state(
+    checkpoint_dir: PathLike, tag: str | None = None, weights_only: Optional[bool] = None
+) -> dict[str, Any]:
     """Lightning's own checkpoint entries (epoch, global step, loops, schedulers, callbacks, hparams).
 
     Lightning hands them to DeepSpeed as ``client_state``, which stores them beside its own
@@ -164,12 +169,14 @@ def read_lightning_state(checkpoint_dir: PathLike, tag: str | None = None) -> di
     Args:
         checkpoint_dir: the folder written by ``trainer.save_checkpoint`` (or its tag folder).
         tag: the tag to read; default: the one named in ``latest``.
+        weights_only: ``False`` unpickles any object (a folder you trust).
 
     Raises:
-        ValueError: the folder is not a DeepSpeed checkpoint, or was not written by Lightning.
+        ValueError: the folder is not a DeepSpeed checkpoint, or was not written by Lightning
+            (:class:`~lightning_parallel.checkpoints.safe_loading.CheckpointRefused`: objects beyond the allow-list).
     """
     top, tag = resolve_folder(checkpoint_dir, tag)
-    return lightning_entries(load_trusted(first_model_states(top / tag)), top / tag)
+    return lightning_entries(load_deepspeed_file(first_model_states(top / tag), weights_only), top / tag)
 
 
 def lightning_entries(model_state: dict[str, Any], where: Path) -> dict[str, Any]:

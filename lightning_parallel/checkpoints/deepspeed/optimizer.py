@@ -22,11 +22,11 @@ from lightning_parallel.checkpoints.deepspeed.folder import (
     MODEL_STATES,
     PathLike,
     has_zero_shards,
-    load_trusted,
     resolve_folder,
     strip_wrapper,
 )
 from lightning_parallel.checkpoints.lightning.reader import name_positions
+from lightning_parallel.checkpoints.safe_loading import check_deepspeed_folder, load_deepspeed_file
 
 
 def _world_size(shard: dict[str, Any]) -> int:
@@ -109,11 +109,14 @@ def _without_group_padding(
     ]
 
 
-def _read_zero_shards(tag_dir: Path) -> tuple[int, list[dict[str, Any]], list[dict[str, Any]]]:
+def _read_zero_shards(
+    tag_dir: Path, weights_only: Optional[bool]
+) -> tuple[int, list[dict[str, Any]], list[dict[str, Any]]]:
     """The ZeRO stage, each rank's ZeRO optimizer state and each rank's wrapped torch optimizer state."""
     from deepspeed.utils import zero_to_fp32
 
-    shards = [load_trusted(Path(f))["optimizer_state_dict"] for f in zero_to_fp32.get_optim_files(str(tag_dir))]
+    files = zero_to_fp32.get_optim_files(str(tag_dir))
+    shards = [load_deepspeed_file(Path(f), weights_only)["optimizer_state_dict"] for f in files]
     stage, world_size = int(shards[0]["zero_stage"]), _world_size(shards[0])
     if world_size != len(shards):
         raise ValueError(
@@ -129,12 +132,13 @@ def _read_zero_shards(tag_dir: Path) -> tuple[int, list[dict[str, Any]], list[di
     return stage, shards, inner
 
 
-def _zero_optimizer_state(tag_dir: Path) -> dict[str, Any]:
+def _zero_optimizer_state(tag_dir: Path, weights_only: Optional[bool]) -> dict[str, Any]:
     """The optimizer state of a ZeRO 1-3 checkpoint per parameter (see :func:`consolidate_optimizer_state`)."""
     from deepspeed.utils import zero_to_fp32
 
+    check_deepspeed_folder(tag_dir, weights_only)  # parse_model_states unpickles with weights_only=False
     model_states = zero_to_fp32.parse_model_states(zero_to_fp32.get_model_state_files(str(tag_dir)))
-    stage, shards, inner = _read_zero_shards(tag_dir)
+    stage, shards, inner = _read_zero_shards(tag_dir, weights_only)
     groups = inner[0]["param_groups"]
     order = [index for group in groups for index in group["params"]]  # inner state index of each flat partition
     names = [[strip_wrapper(n) for n in shapes] for shapes in model_states[0].param_shapes]  # the parameters in each
@@ -166,7 +170,9 @@ def _zero_optimizer_state(tag_dir: Path) -> dict[str, Any]:
     return {"state": state, "param_groups": param_groups}
 
 
-def _stage0_optimizer_state(tag_dir: Path, group_names: Optional[Sequence[Sequence[str]]] = None) -> dict[str, Any]:
+def _stage0_optimizer_state(
+    tag_dir: Path, group_names: Optional[Sequence[Sequence[str]]], weights_only: Optional[bool]
+) -> dict[str, Any]:
     """The optimizer state of a ZeRO stage 0 checkpoint: a plain torch optimizer state_dict, indexed by position.
 
     Note:
@@ -175,7 +181,7 @@ def _stage0_optimizer_state(tag_dir: Path, group_names: Optional[Sequence[Sequen
         from the parameters' order and the state's shapes by
         :func:`~lightning_parallel.checkpoints.lightning.reader.name_positions`, refused when unclear).
     """
-    model_state = load_trusted(tag_dir / MODEL_STATES)
+    model_state = load_deepspeed_file(tag_dir / MODEL_STATES, weights_only)
     saved = model_state.get("optimizer")
     if not isinstance(saved, dict) or not {"state", "param_groups"} <= saved.keys():
         raise ValueError(
@@ -190,7 +196,10 @@ def _stage0_optimizer_state(tag_dir: Path, group_names: Optional[Sequence[Sequen
 
 
 def consolidate_optimizer_state(
-    checkpoint_dir: PathLike, tag: str | None = None, group_names: Optional[Sequence[Sequence[str]]] = None
+    checkpoint_dir: PathLike,
+    tag: str | None = None,
+    group_names: Optional[Sequence[Sequence[str]]] = None,
+    weights_only: Optional[bool] = None,
 ) -> dict[str, Any]:
     """Gather a DeepSpeed checkpoint's optimizer state into one dict keyed by parameter name.
 
@@ -199,6 +208,8 @@ def consolidate_optimizer_state(
         tag: the tag to read; default: the one named in ``latest``.
         group_names: ZeRO stage 0 only (ZeRO 1-3 record the names): the parameter names of each
             param group in ``configure_optimizers`` order; default: inferred (see ``_stage0_optimizer_state``).
+        weights_only: ``False`` unpickles any object (a folder you trust); by default the allow-list of
+            :func:`~lightning_parallel.checkpoints.safe_loading.load_deepspeed_file`.
 
     Returns:
         ``{"state": {name: {"exp_avg": full tensor, "step": tensor, ...}}, "param_groups":
@@ -211,4 +222,6 @@ def consolidate_optimizer_state(
     """
     top, tag = resolve_folder(checkpoint_dir, tag)
     tag_dir = top / tag
-    return _zero_optimizer_state(tag_dir) if has_zero_shards(tag_dir) else _stage0_optimizer_state(tag_dir, group_names)
+    if has_zero_shards(tag_dir):
+        return _zero_optimizer_state(tag_dir, weights_only)
+    return _stage0_optimizer_state(tag_dir, group_names, weights_only)

@@ -31,14 +31,13 @@ from typing import Any, Optional
 import torch
 
 from lightning_parallel.checkpoints.lightning.groups import infer_group_names
-from lightning_parallel.checkpoints.safe_loading import CheckpointRefused, safe_globals
+from lightning_parallel.checkpoints.safe_loading import CheckpointRefused, refusal, safe_globals
 
 # Lightning DCP folders: ModelParallelStrategy saves the weights under "state_dict", FSDPStrategy under "model".
 MODEL_KEYS = ("state_dict", "model")
 # Where the suite records the names of each param group: checkpoint["lightning_parallel"][ORDER_KEY].
 ORDER_KEY = "param_groups"
 NESTED_GROUP_KEY = re.compile(r"^(optimizer_\d+)\.param_groups\.(\d+)\.(\w+)$")
-WEIGHTS_ONLY_FALSE = "Trainer.fit(..., weights_only=False), or lp-convert --trust-source"
 DROP_OPTIMIZER = "load_optimizer_state=False to the strategy (lp-convert: --no-optimizer)"
 
 
@@ -57,11 +56,7 @@ def load_single_file(path: Path, weights_only: Optional[bool] = None) -> dict[st
         with safe_globals():  # Hydra's hyper-parameters (OmegaConf containers) and nothing else beyond plain values
             return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only is not False)
     except pickle.UnpicklingError as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointRefused(
-            f"Refusing {str(path)!r}: it holds objects other than tensors and plain values ({first}). It was "
-            f"tampered with, or saved extra objects; if you trust its origin, pass {WEIGHTS_ONLY_FALSE}."
-        ) from None
+        raise refusal(path, error) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile) as error:
         raise CheckpointRefused(
             f"Refusing {str(path)!r}: it is truncated or damaged ({' '.join(str(error).split())[:160]}). "

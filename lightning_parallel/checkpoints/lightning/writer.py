@@ -263,7 +263,9 @@ def recorded_entry(groups: list[list[list[str]]]) -> dict[str, Any]:
     return {ORDER_KEY: groups}
 
 
-def to_lightning_checkpoint(checkpoint: Path, optimizer_state: bool = True) -> dict[str, Any]:
+def to_lightning_checkpoint(
+    checkpoint: Path, optimizer_state: bool = True, weights_only: Optional[bool] = None
+) -> dict[str, Any]:
     """The whole checkpoint dict ``trainer.save_checkpoint`` writes under Lightning's single-device/DDP strategies.
 
     Args:
@@ -271,6 +273,7 @@ def to_lightning_checkpoint(checkpoint: Path, optimizer_state: bool = True) -> d
             (``ModelParallelStrategy``, ``FSDPStrategy`` sharded: their param groups name the parameters in order).
         optimizer_state: ``False`` leaves ``optimizer_states`` out (Lightning's ``fit(ckpt_path=...)``
             then refuses the file; ``load_from_checkpoint`` and ``validate``/``test`` take it).
+        weights_only: ``False`` unpickles any object in ``meta.pt`` (a folder you trust).
 
     Raises:
         ValueError: not a DCP checkpoint folder, or suite optimizer state whose order was not recorded.
@@ -278,7 +281,7 @@ def to_lightning_checkpoint(checkpoint: Path, optimizer_state: bool = True) -> d
     checkpoint = resolve_checkpoint(Path(checkpoint))
     if not is_sharded_checkpoint(checkpoint):
         raise ValueError(f"{checkpoint} is not a DCP checkpoint folder (no .metadata and meta.pt inside).")
-    meta = load_plain(checkpoint / METADATA_FILE, weights_only=True)
+    meta = load_plain(checkpoint / METADATA_FILE, weights_only=weights_only is not False)
     metadata = SafeFileSystemReader(checkpoint).read_metadata().state_dict_metadata
     model_key = next((k for k in MODEL_KEYS if any(e.startswith(f"{k}.") for e in metadata)), MODEL_KEYS[0])
     result = {key: plain_containers(value) for key, value in meta.items() if key not in _SUITE_ONLY}
@@ -313,15 +316,18 @@ def rewrite_single_file(
     return write_state_dict(plain_containers(checkpoint), Path(out))
 
 
-def convert_to_lightning(checkpoint: Path, out: Path, optimizer_state: bool = True) -> Path:
+def convert_to_lightning(
+    checkpoint: Path, out: Path, optimizer_state: bool = True, weights_only: Optional[bool] = None
+) -> Path:
     """Write :func:`to_lightning_checkpoint` as one file (a hidden temporary name, then a rename).
 
     Args:
         checkpoint: a suite checkpoint folder.
         out: the ``.ckpt`` file to write; ``Trainer(strategy="auto"|"ddp").fit(model, ckpt_path=out)``.
         optimizer_state: see :func:`to_lightning_checkpoint`.
+        weights_only: see :func:`to_lightning_checkpoint`.
 
     Returns:
         The path written.
     """
-    return write_state_dict(to_lightning_checkpoint(checkpoint, optimizer_state), Path(out))
+    return write_state_dict(to_lightning_checkpoint(checkpoint, optimizer_state, weights_only), Path(out))
