@@ -4,6 +4,7 @@ from lightning_parallel.callbacks.evaluation import EvaluationReport
 from lightning_parallel.callbacks.exact_resume import ExactDataResume
 from lightning_parallel.callbacks.hf_weights import HuggingFaceWeights
 from lightning_parallel.callbacks.nonfinite import NonFiniteGuard
+from lightning_parallel.callbacks.step_seeds import StepSeeds
 from lightning_parallel.callbacks.throughput import ThroughputReport
 
-__all__ = ["EvaluationReport", "ExactDataResume", "HuggingFaceWeights", "NonFiniteGuard", "ThroughputReport"]
+__all__ = ["EvaluationReport", "ExactDataResume", "HuggingFaceWeights", "NonFiniteGuard", "StepSeeds", "ThroughputReport"]

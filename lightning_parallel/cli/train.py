@@ -44,14 +44,15 @@ CONFIG_DIR = str(_CONFIG_DIR)  # Hydra wants a string
 
 
 def _callbacks(cfg: DictConfig, logger: Any) -> list[Any]:
-    """The configured callbacks, plus the suite's stop-on-signal and exact data resume (always) and step progress
-    bar."""
+    """The configured callbacks, plus the suite's stop-on-signal, exact data resume and step-keyed seeds (always)
+    and step progress bar."""
     import lightning.pytorch as pl
 
     from lightning_parallel.callbacks.evaluation import EvaluationReport
     from lightning_parallel.callbacks.exact_resume import ExactDataResume
     from lightning_parallel.callbacks.graceful_stop import GracefulStop
     from lightning_parallel.callbacks.progress import StepProgressBar
+    from lightning_parallel.callbacks.step_seeds import StepSeeds
 
     callbacks = [instantiate_node(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     if not logger:
@@ -62,6 +63,8 @@ def _callbacks(cfg: DictConfig, logger: Any) -> list[Any]:
             callback.print_table = False  # its rows go into the one result table
     if not any(isinstance(c, ExactDataResume) for c in callbacks):  # a resume is exact with any callbacks config
         callbacks.append(ExactDataResume())
+    if not any(isinstance(c, StepSeeds) for c in callbacks):  # and draws the same dropout masks
+        callbacks.append(StepSeeds())
     callbacks.append(GracefulStop(str(cfg.paths.checkpoint_dir)))
     has_bar = any(isinstance(c, pl.callbacks.ProgressBar) for c in callbacks)
     if cfg.trainer.get("enable_progress_bar", True) and not has_bar:

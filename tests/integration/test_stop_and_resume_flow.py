@@ -131,3 +131,15 @@ def test_negative_control_the_stop_checkpoint_without_its_data_position_trains_o
     ok(_lp_train(["resume=run"], tmp_path))
     losses = _train_losses(tmp_path / "run")
     assert max(abs(losses[s] - reference[s]) for s in losses) > 1e-3
+
+
+def test_with_dropout_ctrl_c_then_the_printed_command_gives_the_uninterrupted_runs_losses(tmp_path):
+    """Dropout 0.1 under pipeline 2: the resumed run draws the uninterrupted run's masks (StepSeeds, which lp-train
+    adds). Before it, the first resumed step was other draws (2.1e-3 off on seed_oss). Compared with the same layout's
+    uninterrupted run: masks are per rank, so one process draws others."""
+    dropout = [*GPT, *TINY, "model.dropout=0.1", "strategy=pipeline", "trainer.devices=2", *WHOLE]
+    ok(_lp_train([*dropout, "hydra.run.dir=whole"], tmp_path))
+    reference = _train_losses(tmp_path / "whole")
+    folder, stop = _stop_then_resume(tmp_path, [*GPT, "model.dropout=0.1"], ["strategy=pipeline", "trainer.devices=2",
+                                                                               *WHOLE])
+    _assert_same_losses(folder, reference, stop)
