@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lightning_parallel.cli.run_start import job_label
+from lightning_parallel.cli.run_folder import job_label
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.scaling import EffectiveHparams, Reference, rescale_for_layout
 
@@ -73,7 +73,7 @@ def reproduce_overrides(effective: EffectiveHparams) -> list[str]:
 
 
 def _job_info() -> dict[str, Any]:
-    """:func:`~lightning_parallel.cli.run_start.job_label` of this job, its overrides as the one string Hydra names
+    """:func:`~lightning_parallel.cli.run_folder.job_label` of this job, its overrides as the one string Hydra names
     the job by (``override_dirname``: what ``metrics.json`` and the sweep summary show); empty outside a Hydra app."""
     label = job_label()
     if not label:

@@ -112,6 +112,20 @@ def register_resolver() -> None:
         OmegaConf.register_new_resolver("lp_hydra_subdir", hydra_subdir)
 
 
+def job_label() -> dict[str, Any]:
+    """``experiment``, ``strategy`` and the overrides of this Hydra job (empty outside a Hydra app)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}
+    hydra_cfg = HydraConfig.get()
+    return {
+        "experiment": hydra_cfg.runtime.choices.get("experiment"),
+        "strategy": hydra_cfg.runtime.choices.get("strategy"),
+        "overrides": list(hydra_cfg.overrides.task),
+    }
+
+
 def external_launch_error(launched_externally: bool, slurm: bool) -> Optional[str]:
     """The error for a torchrun job whose ranks would each name their own folder (None when fine).
 

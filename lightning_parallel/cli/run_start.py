@@ -17,24 +17,10 @@ from typing import Any, Optional
 from omegaconf import DictConfig, open_dict
 
 from lightning_parallel.cli.preflight import ConfigError
-from lightning_parallel.cli.run_folder import claim, external_launch_error, run_id
+from lightning_parallel.cli.run_folder import claim, external_launch_error, job_label, run_id
 from lightning_parallel.cli.run_resume import last_checkpoint, no_checkpoint_message
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.runtime.console import log_to_file
-
-
-def job_label() -> dict[str, Any]:
-    """``experiment``, ``strategy`` and the overrides of this Hydra job (empty outside a Hydra app)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return {}
-    hydra_cfg = HydraConfig.get()
-    return {
-        "experiment": hydra_cfg.runtime.choices.get("experiment"),
-        "strategy": hydra_cfg.runtime.choices.get("strategy"),
-        "overrides": list(hydra_cfg.overrides.task),
-    }
 
 
 def _is_global_rank_zero() -> bool:
