@@ -73,9 +73,10 @@ def run_folder(root: str, resume: Optional[str], experiment: Optional[str], stra
     identity = run_id()
     _process_run["generated"] = "1"
     label = _label(experiment if experiment not in (None, "None", "null") else strategy)
-    if identity.startswith("slurm"):
-        return f"{root}/{identity}_{label}"
-    return f"{root}/{_process_run['started']}_{label}_{identity}"
+    folder = f"{root}/{identity}_{label}" if identity.startswith("slurm") else \
+        f"{root}/{_process_run['started']}_{label}_{identity}"
+    _process_run["folder"] = str(Path(folder).resolve())
+    return folder
 
 
 def hydra_subdir(resume: Optional[str]) -> str:
@@ -188,7 +189,9 @@ def discard_refused_folder(output_dir: Path) -> bool:
     """
     import shutil
 
-    if not folder_was_generated() or not output_dir.is_dir() or _holds_other_run(output_dir):
+    named_here = folder_was_generated() and _process_run.get("folder") == str(output_dir.resolve())
+    owner = read_owner(output_dir).get("run_id")
+    if not named_here or not output_dir.is_dir() or _holds_other_run(output_dir) or owner not in (None, run_id()):
         return False
     shutil.rmtree(output_dir, ignore_errors=True)
     try:

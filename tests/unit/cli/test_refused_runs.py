@@ -36,6 +36,7 @@ def test_the_newest_run_with_a_checkpoint_is_found_behind_many_newer_runs_withou
 def test_a_refused_runs_own_folder_is_removed_with_its_empty_date_folder(tmp_path, monkeypatch):
     monkeypatch.setitem(run_folder._process_run, "generated", "1")
     folder = tmp_path / "outputs" / "2026-01-01" / "10-00-00.000_ddp_abcdef"
+    monkeypatch.setitem(run_folder._process_run, "folder", str(folder.resolve()))
     (folder / ".hydra").mkdir(parents=True)
     (folder / "train.log").write_text("refused\n")
     assert discard_refused_folder(folder)
@@ -48,6 +49,13 @@ def test_a_folder_the_user_named_or_that_holds_a_run_stays(tmp_path, monkeypatch
     monkeypatch.delitem(run_folder._process_run, "generated", raising=False)
     assert not discard_refused_folder(folder) and folder.exists()  # hydra.run.dir or resume= named it
     monkeypatch.setitem(run_folder._process_run, "generated", "1")
+    monkeypatch.setitem(run_folder._process_run, "folder", str((tmp_path / "other").resolve()))
+    assert not discard_refused_folder(folder) and folder.exists()  # this process named another folder
+    monkeypatch.setitem(run_folder._process_run, "folder", str(folder.resolve()))
+    (folder / ".lp").mkdir()
+    (folder / ".lp" / "run.json").write_text('{"run_id": "someone"}')
+    assert not discard_refused_folder(folder) and folder.exists()  # another run claimed it
+    (folder / ".lp" / "run.json").unlink()
     (folder / "checkpoints").mkdir()
     (folder / "checkpoints" / "last.ckpt").write_bytes(b"x")
     assert not discard_refused_folder(folder) and folder.exists()
