@@ -85,7 +85,8 @@ def run(overrides: list[str], cluster_name: str, out: Optional[str]) -> tuple[An
         cluster = load_cluster(cluster_name, CONFIG_DIR)
         precision = str(cfg.trainer.get("precision", "32-true"))
         simulation = simulate(lambda: instantiate(cfg.model), options, world_size_of(cfg),
-                              num_nodes=int(cfg.trainer.num_nodes), precision=_UNIFIED_PRECISION.get(precision, precision),
+                              num_nodes=int(cfg.trainer.num_nodes),
+                              precision=_UNIFIED_PRECISION.get(precision, precision),
                               device_memory=cluster.memory_per_device, names=SETTING_NAMES)
     except ValueError as exc:
         raise ConfigError(qualified(str(exc))) from exc

@@ -103,6 +103,11 @@ def _check_parameter(name: str, shape: tuple[int, ...], pieces: dict[tuple, int]
         cell = [f"{cuts[d][i]}:{cuts[d][i + 1]}" for d, i in enumerate(where)]
         raise WholeWorldError(
             f"{name} {tuple(shape)}: elements [{', '.join(cell)}] are held {int(counts[tuple(where)])} times, "
-            f"the layout says {expected:g} (held {low} to {high} times over the parameter): a shard is "
-            f"{'doubled' if high > expected else 'lost'}.")
+            f"the layout says {expected:g} (held {low} to {high} times over the parameter): "
+            f"{_verdict(low, high, expected)}.")
     return int(np.prod(shape)) if shape else 1
+
+
+def _verdict(low: int, high: int, expected: float) -> str:
+    found = [("a shard is doubled", high > expected), ("a shard is lost", low < expected)]
+    return " and ".join(what for what, wrong in found if wrong)

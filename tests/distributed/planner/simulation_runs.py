@@ -81,7 +81,8 @@ def measure_layouts(rank: int, world_size: int, names: list[str]) -> dict[str, d
         strategy = HybridParallelStrategy(**{"pipeline_parallel_size": 1, "tensor_parallel_size": 1, **options})
         data_parallel = options.get("data_parallel_size", 1)
         trainer = quiet_trainer(world_size, strategy, 1, [recorder], limit_val_batches=0)
-        trainer.fit(gpt(**model_overrides), datamodule=FixedOrderData(text_dataset(32, 16), batch_size=8 // data_parallel))
+        data = FixedOrderData(text_dataset(32, 16), batch_size=8 // data_parallel)
+        trainer.fit(gpt(**model_overrides), datamodule=data)
         out[name] = recorder.held
     return out
 

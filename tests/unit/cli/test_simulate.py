@@ -1,0 +1,41 @@
+"""lp-simulate: lp-train's configuration and refusals, a table, simulation.json."""
+
+import json
+
+import pytest
+
+from lightning_parallel.cli.simulate import main
+
+GPT = ["experiment=nlp_gpt", "model=gpt_tiny", "strategy=hybrid", "trainer.devices=4"]
+
+
+def test_help_describes_the_command_with_examples(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert done.value.code == 0
+    assert "rank class" in text and "lp-simulate experiment=nlp_gpt" in text and "cluster=" in text
+
+
+def test_a_layout_lp_train_refuses_is_refused_with_its_message_and_exit_code_2(capsys):
+    from lightning_parallel.cli.plan import compose
+    from lightning_parallel.cli.preflight import ConfigError, preflight
+
+    bad = [*GPT, "strategy.pipeline_parallel_size=3"]
+    with pytest.raises(ConfigError) as refused:
+        preflight(compose(bad))
+    with pytest.raises(SystemExit) as done:
+        main(bad)
+    assert done.value.code == 2
+    assert capsys.readouterr().err.strip() == f"lp-simulate: error: {refused.value}"
+
+
+def test_a_run_prints_one_row_per_class_and_writes_simulation_json(tmp_path, capsys):
+    main([*GPT, "strategy.pipeline_parallel_size=2", "strategy.tensor_parallel_size=1", "strategy.zero_stage=3",
+          "cluster=h100_node", "--out", str(tmp_path)])
+    found = json.loads((tmp_path / "simulation.json").read_text())
+    out = capsys.readouterr().out
+
+    assert found["world_size"] == 4 and found["fits"] is True and len(found["classes"]) == 2
+    assert found["settings"]["cluster"] == "h100_node"
+    assert "dp2 x pp2 x tp1" in out and "class 1 (2 ranks): pipeline position 1" in out and "fits" in out
