@@ -48,6 +48,7 @@ from lightning_parallel.checkpoints.safe_loading import (
     SafeLoadPlanner,
     load_plain,
     plain_containers,
+    refusals_unwrapped,
 )
 
 PathLike = Union[str, os.PathLike]
@@ -165,7 +166,8 @@ def _read_dcp_folder(
         if optimizer_state or not key.startswith("optimizer_")
     }
     with single_process():
-        load(entries, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=True)
+        with refusals_unwrapped():
+            load(entries, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=True)
     return entries, load_plain(path / METADATA_FILE, weights_only=weights_only is not False)
 
 

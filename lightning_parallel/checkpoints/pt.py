@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from lightning_parallel.checkpoints.dcp import is_sharded_checkpoint, resolve_checkpoint, single_process
-from lightning_parallel.checkpoints.safe_loading import SafeFileSystemReader, SafeLoadPlanner
+from lightning_parallel.checkpoints.safe_loading import SafeFileSystemReader, SafeLoadPlanner, refusals_unwrapped
 
 PREFIX = "state_dict."
 
@@ -45,7 +45,8 @@ def consolidate(checkpoint: Path) -> dict[str, torch.Tensor]:
         if key.startswith(PREFIX) and isinstance(item, TensorStorageMetadata)
     }
     with single_process():
-        load(state, storage_reader=SafeFileSystemReader(checkpoint), planner=SafeLoadPlanner(), no_dist=True)
+        with refusals_unwrapped():
+            load(state, storage_reader=SafeFileSystemReader(checkpoint), planner=SafeLoadPlanner(), no_dist=True)
     return {key[len(PREFIX) :]: value for key, value in state.items()}
 
 

@@ -127,6 +127,25 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             state_dict[read_item.dest_index.fqn] = loaded
 
 
+@contextlib.contextmanager
+def refusals_unwrapped() -> Iterator[None]:
+    """A DCP load inside it raises the :class:`CheckpointRefused` of a refused entry itself.
+
+    Note:
+        DCP wraps every exception of a load, :class:`SafeLoadPlanner`'s refusals included, in its
+        ``CheckpointException`` (not a ``ValueError``, its message a traceback per rank).
+    """
+    from torch.distributed.checkpoint import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as error:
+        refused = next((cause for cause, _ in error.failures.values() if isinstance(cause, CheckpointRefused)), None)
+        if refused is None:
+            raise
+        raise CheckpointRefused(str(refused)) from None
+
+
 def _omegaconf_globals() -> list[Any]:
     """The classes a pickled OmegaConf container refers to (found by loading Hydra-written checkpoints).
 
@@ -183,8 +202,11 @@ def plain_containers(value: Any) -> Any:
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    """The line of an unpickling error that names what was refused (torch's opens with generic advice)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if lines and lines[0].startswith("Weights only load failed") and len(lines) > 1:
+        return lines[1]
+    return lines[0] if lines else type(error).__name__
 
 
 def refusal(file: Any, error: BaseException) -> CheckpointRefused:

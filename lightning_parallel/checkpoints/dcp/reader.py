@@ -15,7 +15,12 @@ from torch.optim import Optimizer
 
 from lightning_parallel.checkpoints.dcp.writer import METADATA_FILE
 from lightning_parallel.checkpoints.lightning.reader import NESTED_GROUP_KEY, flatten_nested_groups, nested_param_groups
-from lightning_parallel.checkpoints.safe_loading import SafeFileSystemReader, SafeLoadPlanner, load_plain
+from lightning_parallel.checkpoints.safe_loading import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    load_plain,
+    refusals_unwrapped,
+)
 
 
 def optimizer_state_dict(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
@@ -62,15 +67,19 @@ def load_sharded_checkpoint(
     """
     open_reader = lambda: SafeFileSystemReader(path)  # noqa: E731 - DCP wants a fresh reader per load
     stored = open_reader().read_metadata().state_dict_metadata
+    # Refused before anything is loaded into the module (a tampered meta.pt leaves the model as it was).
+    meta = load_plain(path / METADATA_FILE, weights_only=True if weights_only is None else weights_only)
     model_key = "model" if any(k.startswith("model.") for k in stored) and not any(
         k.startswith("state_dict.") for k in stored) else "state_dict"
     groups = {}
     for index in range(len(optimizers)):
-        nested = read_nested_param_groups(open_reader, stored, f"optimizer_{index}")
+        with refusals_unwrapped():
+            nested = read_nested_param_groups(open_reader, stored, f"optimizer_{index}")
         if nested is not None:
             groups[f"optimizer_{index}"] = nested
-    load_model_and_optimizers(module, optimizers, open_reader, strict, model_key, groups)
-    return load_plain(path / METADATA_FILE, weights_only=True if weights_only is None else weights_only)
+    with refusals_unwrapped():
+        load_model_and_optimizers(module, optimizers, open_reader, strict, model_key, groups)
+    return meta
 
 
 def read_nested_param_groups(

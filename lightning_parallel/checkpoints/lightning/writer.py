@@ -47,6 +47,7 @@ from lightning_parallel.checkpoints.safe_loading import (
     SafeLoadPlanner,
     load_plain,
     plain_containers,
+    refusals_unwrapped,
 )
 from lightning_parallel.parallel.pipeline.stages import RemovedLayer
 from lightning_parallel.parallel.pipeline.tied import TIED_COPY_ATTR
@@ -164,7 +165,8 @@ def _read_entries(checkpoint: Path, prefix: str) -> dict[str, Any]:
         for key, item in metadata.items() if key.startswith(prefix)
     }
     with single_process():
-        load(state, storage_reader=SafeFileSystemReader(checkpoint), planner=SafeLoadPlanner(), no_dist=True)
+        with refusals_unwrapped():
+            load(state, storage_reader=SafeFileSystemReader(checkpoint), planner=SafeLoadPlanner(), no_dist=True)
     return {key[len(prefix):]: value for key, value in state.items()}
 
 
