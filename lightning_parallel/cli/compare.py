@@ -250,6 +250,11 @@ def main() -> None:
     ``strategy.*`` overrides are set aside here and applied per layout (:func:`compose_layout`): the
     config's default strategy (e.g. ``ddp``) may not have the setting every other layout has.
     """
+    if any(a in ("--help", "-h") for a in sys.argv[1:]):  # ours, not Hydra's stock page (--hydra-help keeps that)
+        from lightning_parallel.cli.help_text import COMPARE, hydra_app_help
+
+        print(hydra_app_help(**COMPARE, config_dir=CONFIG_DIR))
+        return
     _STRATEGY_OVERRIDES[:] = [arg for arg in sys.argv[1:] if arg.lstrip("+~").startswith("strategy.")]
     sys.argv[1:] = [arg for arg in sys.argv[1:] if arg not in _STRATEGY_OVERRIDES]
     if not any(arg.lstrip("+").startswith("compare=") for arg in sys.argv[1:]):

@@ -249,8 +249,11 @@ def _summary(out: Path, to: str, args: argparse.Namespace, seconds: float) -> st
 
 
 def _parser() -> argparse.ArgumentParser:
+    from lightning_parallel.cli.help_text import DOCS, plain
+
     parser = argparse.ArgumentParser(
-        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=PROG, description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"Docs: docs/checkpoints.md.\nEverything: {DOCS}.",
     )
     parser.add_argument("src", type=Path,
                         help="a suite or Lightning checkpoint (file or DCP folder), or a DeepSpeed folder")

@@ -64,8 +64,11 @@ def measure(line: list[str], user: list[str], steps: int, timeout: float = 900) 
 
 
 def _parser() -> argparse.ArgumentParser:
+    from lightning_parallel.cli.help_text import DOCS, plain
+
     parser = argparse.ArgumentParser(
-        prog="lp-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="lp-plan", description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"Docs: docs/planner.md.\nEverything: {DOCS}.",
     )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for lp-train")
     parser.add_argument("--cluster", default="cpu", help="a file of conf/cluster/ (without .yaml) or a YAML path")

@@ -276,6 +276,11 @@ def main() -> None:
     from lightning_parallel.cli.launch import check_rank_config
 
     check_rank_config()  # a child rank: its configuration file must be the one its launcher wrote
+    if any(a in ("--help", "-h") for a in sys.argv[1:]):  # ours, not Hydra's stock page (--hydra-help keeps that)
+        from lightning_parallel.cli.help_text import TRAIN, hydra_app_help
+
+        print(hydra_app_help(**TRAIN, config_dir=CONFIG_DIR))
+        return
     overrides = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
     try:
         check_trainer_overrides(overrides)
