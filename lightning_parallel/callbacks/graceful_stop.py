@@ -127,6 +127,9 @@ class GracefulStop(pl.Callback):
         self._saving_stop = True
         try:
             trainer.save_checkpoint(str(path))
+            writer = getattr(trainer.strategy, "async_writer", None)
+            if writer is not None:  # async_save: the stop's checkpoint is complete before the stop is announced
+                writer.wait()
         finally:
             self._saving_stop = False
         self.saved, self.stopped_at = path, trainer.global_step

@@ -101,6 +101,9 @@ class ParallelOptions:
             an entry of the module's ``tensor_parallel_plan()``).
         save_distributed_checkpoint: write a sharded DCP folder (True; loads under any layout) or one
             consolidated file (False; not under pipeline parallelism).
+        async_save: write the sharded folder in the background (DCP's ``async_save``): the step waits only while
+            the state is copied to CPU memory; one save in flight, the next save and the run's end wait for it; the
+            folder appears complete or not at all (:mod:`lightning_parallel.checkpoints.dcp.async_writer`).
         timeout: collective timeout (``timedelta`` or seconds), so a dead rank fails the run instead of
             hanging it; None: :data:`DEFAULT_TIMEOUT`.
         activation_checkpointing: ``"none"``, ``"full"`` (every layer recomputes its forward in backward),
@@ -163,6 +166,7 @@ class ParallelOptions:
     loss_parallel: bool = False
     plan: Optional[Mapping[str, Any]] = field(default=None, hash=False)
     save_distributed_checkpoint: bool = True
+    async_save: bool = False
     timeout: Optional[Union[timedelta, int, float]] = None
     activation_checkpointing: Choice = "none"
     compile: Compile = False
@@ -203,6 +207,9 @@ class ParallelOptions:
         checks.check_prefetch(self.fsdp_prefetch, self.zero_stage)
         checks.check_offload(self.offload, self.zero_stage)
         checks.check_context(self.context_parallel_size, self.expert_parallel_size, self.context_parallel_method)
+        if self.async_save and not self.save_distributed_checkpoint:
+            raise ValueError("async_save=True writes the sharded folder in the background; with "
+                             "save_distributed_checkpoint=False there is none: keep the folder or save synchronously.")
 
     @property
     def bucket_bytes(self) -> int:

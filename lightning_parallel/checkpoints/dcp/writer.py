@@ -36,7 +36,8 @@ def single_process() -> Iterator[None]:
         yield
 
 
-def _drop_stale_partial(path: Path) -> None:
+def drop_stale_partial(path: Path) -> None:
+    """Remove the hidden partial folder of ``path`` that a crash during an earlier write left (coordinator only)."""
     partial = partial_path(path)
     if partial.exists():
         shutil.rmtree(partial)  # left by a crash during an earlier write
@@ -118,7 +119,7 @@ def save_sharded_checkpoint(
         barrier: a barrier over all ranks.
     """
     if is_coordinator:
-        _drop_stale_partial(path)
+        drop_stale_partial(path)
     barrier()
     write_shards(path, state)
     barrier()
@@ -142,7 +143,7 @@ def save_on_one_process(path: Path, state: dict[str, Any], metadata: dict[str, A
         ``path``.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    _drop_stale_partial(path)
+    drop_stale_partial(path)
     with single_process():
         write_shards(path, state, no_dist=True)
     commit(path, metadata)

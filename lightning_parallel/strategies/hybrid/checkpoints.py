@@ -43,7 +43,11 @@ def save_strategy_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath
     checkpoint["lightning_parallel"].update(parameter_order_entry(strategy.lightning_module, optimizers))
     state = {"state_dict": checkpoint.pop("state_dict")}
     state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-    save_sharded_checkpoint(path, state, checkpoint, strategy.global_rank == 0, strategy.barrier)
+    writer = getattr(strategy, "async_writer", None)
+    if writer is not None:  # async_save: the step waits only for the copy to CPU memory
+        writer.save(path, state, checkpoint, strategy.global_rank == 0, strategy.barrier)
+    else:
+        save_sharded_checkpoint(path, state, checkpoint, strategy.global_rank == 0, strategy.barrier)
 
 
 def load_strategy_checkpoint(strategy: Any, checkpoint_path: Any, weights_only: Optional[bool],

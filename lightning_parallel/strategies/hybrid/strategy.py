@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _compat
+from lightning_parallel.checkpoints.dcp.async_writer import AsyncCheckpointWriter, cpu_group_for_async_save
 from lightning_parallel.fault_tolerance.options import FaultTolerance
 from lightning_parallel.fault_tolerance.replicas import ReplicaGroups
 from lightning_parallel.layout import PIPELINE_PARALLEL, ParallelLayout
@@ -100,6 +101,7 @@ class HybridParallelStrategy(HybridRunViews, HybridCheckpointIO, ReduceWithoutBa
         self._parallelized_module: Optional[weakref.ref] = None
         self._executor: executors.DirectExecutor = executors.DirectExecutor()
         self._after_backward: list[AfterBackward] = []
+        self.async_writer: Optional[AsyncCheckpointWriter] = None  # async_save: the background checkpoint writer
 
     @property
     @override
@@ -125,6 +127,9 @@ class HybridParallelStrategy(HybridRunViews, HybridCheckpointIO, ReduceWithoutBa
         self._meshes = RunMeshes.build(self.layout, self.root_device.type, self.options.zero_stage)
         self._mesh = self._meshes.run  # 4-D (data, context, pipeline, tensor) under context parallelism
         _compat.set_module_device_mesh(self.lightning_module, self._mesh)
+        if self.options.async_save and self.async_writer is None:  # its own gloo group: a collective, every rank
+            group = cpu_group_for_async_save(self.options.timeout)
+            self.async_writer = AsyncCheckpointWriter(group, pinned=self.root_device.type == "cuda")
 
     @override
     @contextmanager
@@ -226,6 +231,9 @@ class HybridParallelStrategy(HybridRunViews, HybridCheckpointIO, ReduceWithoutBa
     @override
     def teardown(self) -> None:
         self._replicas.close()
+        writer, self.async_writer = self.async_writer, None
+        if writer is not None:  # a save still in flight completes (and is committed) before the run ends
+            writer.close()
         self.model = self.lightning_module  # unwrap DDP (a no-op otherwise), as Lightning's DDPStrategy does
         super().teardown()
 
