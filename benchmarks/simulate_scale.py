@@ -1,0 +1,90 @@
+"""lp-simulate at the scale users run: how long a whole world takes to simulate on this machine.
+
+    python -m benchmarks.simulate_scale                      # every case below
+    python -m benchmarks.simulate_scale --cases llama3-70b/4096
+
+Each case builds a published model shape from a Hugging Face config on ``meta`` (the recipe
+``examples.nlp.hf_causal_lm.HFCausalLM``: nothing downloads, nothing the model's size is allocated) and simulates
+one layout with :func:`lightning_parallel.planner.simulate`: the suite's real composition once per rank class in
+torch's fake process group, the bytes each class stores, and the whole-world check over every rank. The time is the
+wall time of ``simulate`` in this one process (targets: 120 s for 4,096 and 1,024 ranks, 300 s for 16,384). The fit is
+against an 80 GB H100 (``conf/cluster/h100_cluster.yaml``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+LLAMA3_70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+              "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+              "tie_word_embeddings": False}
+MIXTRAL_8X7B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "max_position_embeddings": 32768, "tie_word_embeddings": False}
+QWEN3_30B_A3B = {"hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                 "num_experts_per_tok": 8, "max_position_embeddings": 32768, "tie_word_embeddings": False}
+
+# name -> (model type, config, vocabulary, world size, ParallelOptions keywords)
+CASES: dict[str, tuple[str, dict[str, Any], int, int, dict[str, Any]]] = {
+    "llama3-70b/4096": ("llama", LLAMA3_70B, 128256, 4096,
+                        {"pipeline_parallel_size": 8, "tensor_parallel_size": 8, "context_parallel_size": 2,
+                         "data_parallel_size": 32, "data_replicate_size": 2, "zero_stage": 3, "microbatches": 8}),
+    "mixtral-8x7b/1024": ("mixtral", MIXTRAL_8X7B, 32000, 1024,
+                          {"pipeline_parallel_size": 1, "tensor_parallel_size": 1, "data_parallel_size": 1024,
+                           "expert_parallel_size": 8, "zero_stage": 3}),
+    "qwen3-30b-a3b/1024": ("qwen3_moe", QWEN3_30B_A3B, 151936, 1024,
+                           {"pipeline_parallel_size": 1, "tensor_parallel_size": 1, "data_parallel_size": 1024,
+                            "expert_parallel_size": 64, "zero_stage": 3}),
+    "llama3-70b/16384": ("llama", LLAMA3_70B, 128256, 16384,
+                         {"pipeline_parallel_size": 8, "tensor_parallel_size": 8, "context_parallel_size": 2,
+                          "data_parallel_size": 128, "data_replicate_size": 2, "zero_stage": 3, "microbatches": 8}),
+}
+GIB = 2**30
+
+
+def run_case(name: str) -> dict[str, Any]:
+    """Simulate one case; its figures (times, classes, bytes per rank, the fit on an 80 GB device)."""
+    from examples.nlp.hf_causal_lm import HFCausalLM
+    from lightning_parallel.parallel.options import ParallelOptions
+    from lightning_parallel.planner import simulate
+
+    model_type, config, vocab, world, options = CASES[name]
+    factory = partial(HFCausalLM, config=model_type, config_overrides=config, vocab_size=vocab)
+    started = time.perf_counter()
+    simulation = simulate(factory, ParallelOptions(**options), world, num_nodes=world // 8, precision="bf16-mixed",
+                          device_memory=80e9)
+    seconds = time.perf_counter() - started
+    peaks = [c.peak_bytes for c in simulation.classes]
+    return {"case": name, "world": world, "layout": simulation.layout, "classes": len(simulation.classes),
+            "simulated_ranks_seconds": round(sum(c.seconds for c in simulation.classes), 1),
+            "seconds": round(seconds, 1), "elements_checked": simulation.elements_checked,
+            "stored_gib": [round((c.parameter_bytes + c.gradient_bytes + c.optimizer_bytes) / GIB, 2)
+                           for c in simulation.classes],
+            "peak_gib_min_max": (round(min(peaks) / GIB, 2), round(max(peaks) / GIB, 2)), "fits_80gb": simulation.fits}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--out", default=None, help="a JSON file for the results")
+    args = parser.parse_args()
+    results = []
+    for name in args.cases:
+        result = run_case(name)
+        results.append(result)
+        print(f"{name:22} {result['world']:>6,} ranks  {result['layout']:32} {result['classes']:>3} classes  "
+              f"{result['seconds']:>6.1f} s  peak {result['peak_gib_min_max'][0]}-{result['peak_gib_min_max'][1]} "
+              f"GiB  fits 80 GB: {result['fits_80gb']}", flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
