@@ -179,8 +179,16 @@ def log_traceback(error: BaseException) -> Optional[str]:
     return files[0] if files else None
 
 
-def _check_start_model(cfg: DictConfig, start: Optional[Path]) -> None:
-    """The start checkpoint is readable and of this model (:mod:`lightning_parallel.cli.checkpoint_check`)."""
+def check_start_model(cfg: DictConfig, start: Optional[Path]) -> None:
+    """Refuse a start checkpoint that is unreadable or of another model (cli/checkpoint_check.py).
+
+    Args:
+        cfg: the composed config.
+        start: the checkpoint every rank would load (None: a fresh start).
+
+    Raises:
+        ConfigError: naming the setting and the fix.
+    """
     if start is None:
         return
     from lightning_parallel.cli.checkpoint_check import check_resume_checkpoint
@@ -228,7 +236,7 @@ def prepare_run(cfg: DictConfig) -> PreparedRun:
     strategy, layout = preflight(cfg)  # before any other rank starts: a bad config is reported once
     start = start_checkpoint(cfg)
     check_start_readable(strategy, start)
-    _check_start_model(cfg, start)
+    check_start_model(cfg, start)
     identity = claim_run_folder(cfg, bool(launched_externally()))
     note = validation_schedule(cfg)
     with open_dict(cfg):

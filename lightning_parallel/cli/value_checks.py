@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import re
 from typing import Any
 
@@ -75,6 +76,8 @@ def _scaling_key(message: str, cfg: DictConfig) -> str:
         if targets.get(name):
             message = re.sub(rf"(?<![\w.]){name}=", f"{targets[name]}=", message)
     message = message.replace("reference.global_batch_size=", "scaling.reference.global_batch_size=")
+    message = re.sub(r"reference global batch (\d+)",
+                     r"reference global batch (scaling.reference.global_batch_size=\1)", message)
     if message.endswith("must be a positive integer."):
         message = message[:-1] + ": give 1 or more."
     return message
@@ -171,11 +174,16 @@ def check_trainer_values(cfg: DictConfig) -> None:
 
 
 def check_data_values(cfg: DictConfig) -> None:
-    """``data.seq_len`` and ``data.num_workers`` (the data module's own checks run in every rank)."""
+    """``data.path`` (an empty file), ``data.seq_len`` and ``data.num_workers`` (the data module's own checks run in
+    every rank)."""
     data = cfg.get("data")
     if not OmegaConf.is_dict(data):
         return
-    seq_len, workers = data.get("seq_len"), data.get("num_workers")
+    seq_len, workers, path = data.get("seq_len"), data.get("num_workers"), data.get("path")
+    if isinstance(path, str) and os.path.isfile(path) and os.path.getsize(path) == 0:
+        # Seen: torch's "both buffer length (0) and count (-1) must not be 0" from every rank after start-up.
+        raise ValueError(f"data.path={path} is an empty file: give a file with data, or data.path=null for the "
+                         "built-in data.")
     if _whole(seq_len) and seq_len < 1:
         raise ValueError(f"data.seq_len={seq_len} must be 1 or more tokens (e.g. data.seq_len=128).")
     if _whole(workers) and workers < 0:
