@@ -15,7 +15,7 @@ import torch
 
 from lightning_parallel.cli.overrides_check import check_overrides
 from lightning_parallel.cli.plan import compose
-from lightning_parallel.cli.preflight import ConfigError, check_trainer_overrides, preflight
+from lightning_parallel.cli.preflight import check_trainer_overrides, preflight
 from lightning_parallel.cli.run_resume import resume_overrides
 from lightning_parallel.cli.run_start import check_start_model, check_start_readable, start_checkpoint
 from lightning_parallel.runtime.config_dir import CONFIG_DIR
