@@ -259,7 +259,21 @@ def main() -> None:
     sys.argv[1:] = [arg for arg in sys.argv[1:] if arg not in _STRATEGY_OVERRIDES]
     if not any(arg.lstrip("+").startswith("compare=") for arg in sys.argv[1:]):
         sys.argv.insert(1, "+compare=default")
+    _check_overrides(sys.argv[1:])
     _main()
+
+
+def _check_overrides(args: list[str]) -> None:
+    """Group options and keys against ``conf/`` with did-you-mean (as ``lp-train``), before Hydra composes."""
+    from lightning_parallel.cli.overrides_check import check_overrides
+
+    if any(a.startswith(("--config", "-c")) or a.lstrip("+").startswith("hydra.searchpath") for a in args):
+        return
+    try:
+        check_overrides([a for a in args if "=" in a and not a.startswith("-")], CONFIG_DIR)
+    except ValueError as error:
+        print(f"lp-compare: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

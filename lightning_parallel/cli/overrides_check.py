@@ -174,7 +174,7 @@ def check_keys(parsed: list[Any], loader: Any) -> None:
         if group in groups and not closest(missing[0][missing[1]], missing[2]):
             others = [c for c in base if not c.startswith(f"{group}=")]
             having = _options_having(loader, compose, group, rest, others)
-        value = override.get_value_element_as_str() if not override.is_sweep_override() else "..."
+        value = (override.input_line or "=...").split("=", 1)[1]  # as typed (Hydra's own form escapes ':')
         raise ValueError(_key_error(override.key_or_group, value, missing, cfg, having))
 
 
