@@ -11,7 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
-MODES = ("ddp", "local_sgd", "diloco")
+MODES = ("ddp", "local_sgd", "diloco", "streaming_diloco")
+DILOCO_MODES = ("diloco", "streaming_diloco")
+EXCHANGES = ("fp32", "bf16")
 LR_RULES = ("linear", "sqrt", "none")
 
 # The environment torchft's own launchers (torchx, torchtitan) use; lp-train sets the same names.
@@ -34,9 +36,17 @@ class FaultTolerance:
         replica_id: this group's index in ``[0, replicas)``. Default: ``$REPLICA_GROUP_ID``.
         lighthouse: the lighthouse's address (``http://host:port``). Default: ``$TORCHFT_LIGHTHOUSE``.
         min_replicas: fewest replica groups a step may commit with.
-        mode: ``ddp`` (gradients averaged every step) or ``local_sgd`` (parameters averaged every ``sync_every``
-            steps); ``diloco`` is named so that asking for it is refused with what exists, not built.
-        sync_every: steps between meetings under ``local_sgd``.
+        mode: ``ddp`` (gradients averaged every step), ``local_sgd`` (parameters averaged every ``sync_every``
+            steps), ``diloco`` (an outer optimizer steps on the pseudo-gradient averaged every ``sync_every``
+            steps) or ``streaming_diloco`` (the same per fragment of the model, fragments at staggered steps).
+        sync_every: steps between meetings under ``local_sgd`` and ``diloco``; under ``streaming_diloco`` each
+            fragment meets every ``sync_every`` steps and a fragment meets every ``sync_every / fragments`` steps.
+        outer_lr: the outer optimizer's learning rate (``diloco`` modes; the DiLoCo paper's 0.7).
+        outer_momentum: its momentum (0.9).
+        outer_nesterov: Nesterov momentum (the paper's outer optimizer); False for heavy-ball momentum.
+        fragments: how many fragments ``streaming_diloco`` splits each rank's parameters into.
+        exchange: the dtype the pseudo-gradients travel in across groups: ``fp32``, or ``bf16`` (half the bytes;
+            ``diloco`` modes).
         lr_rule: how the learning rate follows the number of replica groups in a step (``linear``:
             proportional, ``sqrt``, ``none``), as :mod:`lightning_parallel.scaling` rescales for a data-parallel size.
         timeout: seconds for a cross-replica collective, a commit vote or a recovery transfer.
@@ -58,6 +68,11 @@ class FaultTolerance:
     min_replicas: int = 1
     mode: str = "ddp"
     sync_every: int = 20
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    fragments: int = 2
+    exchange: str = "fp32"
     lr_rule: str = "linear"
     timeout: float = 60.0
     quorum_timeout: float = 120.0
@@ -73,7 +88,7 @@ class FaultTolerance:
             raise ValueError(f"fault_tolerance.lr_rule={self.lr_rule!r}: choose one of {', '.join(LR_RULES)}.")
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"fault_tolerance.max_restarts={self.max_restarts!r} must be an integer >= 0.")
-        for name in ("min_replicas", "sync_every"):
+        for name in ("min_replicas", "sync_every", "fragments"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"fault_tolerance.{name}={value!r} must be a positive integer.")
@@ -81,10 +96,28 @@ class FaultTolerance:
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
                 raise ValueError(f"fault_tolerance.{name}={getattr(self, name)!r} must be a positive number.")
 
+        self._check_outer()
         if self.group_timeout >= self.quorum_timeout:
             raise ValueError(f"fault_tolerance.group_timeout={self.group_timeout:g} must be shorter than "
                              f"quorum_timeout={self.quorum_timeout:g}: a group with a hung rank must fail before the "
                              f"others give up waiting for a quorum.")
+
+    def _check_outer(self) -> None:
+        """The ``diloco`` modes' outer optimizer, fragments and exchange dtype."""
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"fault_tolerance.exchange={self.exchange!r}: choose one of {', '.join(EXCHANGES)} (int8 "
+                             f"is not built: torchft quantises only on CUDA with Triton).")
+        if not isinstance(self.outer_lr, (int, float)) or self.outer_lr <= 0:
+            raise ValueError(f"fault_tolerance.outer_lr={self.outer_lr!r} must be a positive number.")
+        if not isinstance(self.outer_momentum, (int, float)) or not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"fault_tolerance.outer_momentum={self.outer_momentum!r} must lie in [0, 1).")
+        if self.outer_nesterov and self.outer_momentum == 0:
+            raise ValueError("fault_tolerance.outer_nesterov=true needs outer_momentum > 0: set a momentum, or "
+                             "outer_nesterov=false for plain SGD.")
+        if self.mode == "streaming_diloco" and (self.sync_every % self.fragments or self.fragments < 2):
+            raise ValueError(f"fault_tolerance.mode=streaming_diloco: fragments={self.fragments} must be at least 2 "
+                             f"and divide sync_every={self.sync_every} (one fragment meets every sync_every / "
+                             f"fragments steps); or use mode=diloco for the whole model at once.")
 
     @classmethod
     def from_config(cls, value: Any) -> Optional[FaultTolerance]:

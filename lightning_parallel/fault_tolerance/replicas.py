@@ -30,10 +30,11 @@ from torch.optim import Optimizer
 
 from lightning_parallel.fault_tolerance import loop_state
 from lightning_parallel.fault_tolerance.data_position import skip_batches
+from lightning_parallel.fault_tolerance.diloco import OuterSync, trainable
 from lightning_parallel.fault_tolerance.gradient_average import average_gradients
 from lightning_parallel.fault_tolerance.lighthouse import check_reachable, require_torchft
 from lightning_parallel.fault_tolerance.local_sgd import average_parameters
-from lightning_parallel.fault_tolerance.options import FaultTolerance
+from lightning_parallel.fault_tolerance.options import DILOCO_MODES, FaultTolerance
 from lightning_parallel.fault_tolerance.replica_state import state_functions
 from lightning_parallel.runtime import signals
 from lightning_parallel.scaling import lr_factor
@@ -47,10 +48,6 @@ class ReplicaGroups:
     """
 
     def __init__(self, options: FaultTolerance) -> None:
-        if options.mode == "diloco":
-            raise ValueError("fault_tolerance.mode='diloco' is not built yet: use mode=ddp (per-step gradient "
-                             "averaging) or mode=local_sgd (parameters averaged every sync_every steps); see "
-                             "docs/fault-tolerance.md.")
         self.options = options
         self.manager: Any = None
         self.process_group: Any = None
@@ -62,7 +59,8 @@ class ReplicaGroups:
         self.run_stop_agreed = False  # a run-wide stop voted at the last step (reduce_and_commit)
         self._position = {"epoch": 0, "batch": 0, "step": 0}
         self._loaders: Optional[dict[str, Any]] = None  # the loader position at the end of the last step
-        self._local_sgd = options.mode == "local_sgd"
+        self._local_sgd = options.mode != "ddp"  # local_sgd and the diloco modes: groups meet every few steps
+        self.outer: Optional[OuterSync] = None  # the diloco modes' outer loop (opened with the manager)
         self._recovered: Optional[dict[str, Any]] = None
         self._skip_batches = 0
         self._trainer: Any = None
@@ -118,9 +116,13 @@ class ReplicaGroups:
             connect_timeout=timedelta(seconds=o.connect_timeout), rank=strategy.global_rank,
             world_size=strategy.world_size, store_addr=env.main_address, store_port=env.main_port,
             lighthouse_addr=o.lighthouse, replica_id=f"replica_{o.replica_id}", init_sync=True)
+        if o.mode in DILOCO_MODES:  # before the first quorum: a group healing there receives the outer state too
+            self.outer = OuterSync(trainable(strategy.lightning_module), o)
+            self.outer.register(self.manager)
         self._quorum()  # the first step's quorum, before the training loader exists (see process_dataloader)
         if self._local_sgd and self._recovered_now and trainer.global_step > 0:
-            self._sync_parameters(contributes=False)  # healed at the others' meeting: join its average, uncounted
+            # healed at the others' meeting: join its average, uncounted
+            self._sync_parameters(contributes=False, step=int(trainer.global_step))
         elif self._local_sgd:
             # A fresh start commits its quorum at once: the manager's step then counts meetings from 1, so the
             # first meeting does not take every group for a new one (torchft heals every group at step 0).
@@ -198,26 +200,30 @@ class ReplicaGroups:
         loop_state.set_global_step(self._trainer, self.manager.current_step() - 1, counting=True)
 
     def _after_local_step(self) -> None:
-        """``local_sgd``: every ``sync_every`` steps a quorum and the parameter average (a restarted group that
-        waits at start-up joins here). The position a healing group takes is the next step's."""
+        """``local_sgd`` and the diloco modes: at a meeting step a quorum and the parameter average or the meeting
+        fragment's outer step (a restarted group that waits at start-up joins here). The position a healing group
+        takes is the next step's."""
         trainer = self._trainer
         step = int(trainer.global_step) + 1  # Lightning counts this step after we return
-        if step % self.options.sync_every:
+        if (step % self.options.sync_every if self.outer is None else self.outer.fragment_at(step) is None):
             return
         last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch  # the next batch opens the next epoch
         epoch, batch = int(trainer.current_epoch), self._position["batch"] + 1
         self._position = {"epoch": epoch + 1 if last else epoch, "batch": 0 if last else batch, "step": step}
         self._quorum()
-        self._sync_parameters(contributes=True)
+        self._sync_parameters(contributes=True, step=step)
 
-    def _sync_parameters(self, contributes: bool) -> None:
-        module = self._module if self._module is not None else self._trainer.lightning_module
-        params = [p for p in module.parameters() if p.requires_grad]
-        self._committed = average_parameters(self.manager, params, contributes)
+    def _sync_parameters(self, contributes: bool, step: int) -> None:
+        if self.outer is not None:  # diloco: the meeting fragment's outer step
+            self._committed = self.outer.meet(self.manager, step, contributes)
+        else:
+            module = self._module if self._module is not None else self._trainer.lightning_module
+            params = [p for p in module.parameters() if p.requires_grad]
+            self._committed = average_parameters(self.manager, params, contributes)
         if not self._committed:
             self.failed_commits += 1
-            self._say(f"the parameter average at step {self._position['step']} did not commit; every group keeps "
-                      f"its own parameters until the next one")
+            self._say(f"the meeting at step {step} did not commit; every group keeps its own parameters until the "
+                      f"next one")
 
     # --- data ------------------------------------------------------------------------------
     def position_loader(self, loader: Any) -> Any:
@@ -255,9 +261,9 @@ class ReplicaGroups:
     def _quorum_line(self, participants: int) -> str:
         o, meetings = self.resolved, self.manager.current_step()
         if self._local_sgd:
+            what = "parameters averaged" if self.outer is None else f"{o.mode}: pseudo-gradients averaged, outer step"
             return (f"quorum of {participants}/{o.replicas} replica groups at meeting {meetings} (step "
-                    f"{self._position['step']}): parameters averaged over the groups taking part every "
-                    f"{o.sync_every} steps")
+                    f"{self._position['step']}): {what} over the groups taking part every {o.sync_every} steps")
         factor = lr_factor(o.lr_rule, max(participants, 1), o.replicas)
         skipped = meetings * o.replicas - self.manager.batches_committed()
         return (f"quorum of {participants}/{o.replicas} replica groups at step {meetings}: global batch "

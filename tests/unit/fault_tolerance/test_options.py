@@ -40,12 +40,12 @@ def test_off_values_and_mappings() -> None:
     assert FaultTolerance.from_config({"replicas": 4}).replicas == 4
 
 
-def test_diloco_is_refused_by_the_strategy_not_run_silently() -> None:
+@pytest.mark.parametrize("mode", ["ddp", "local_sgd", "diloco", "streaming_diloco"])
+def test_every_mode_builds_the_strategy_s_replica_groups(mode: str) -> None:
     from lightning_parallel.strategies import HybridParallelStrategy
 
-    with pytest.raises(ValueError, match="mode=local_sgd"):
-        HybridParallelStrategy(fault_tolerance={"mode": "diloco"})
-    assert HybridParallelStrategy(fault_tolerance={"mode": "local_sgd"}).replica_groups is not None
+    groups = HybridParallelStrategy(fault_tolerance={"mode": mode, "sync_every": 4}).replica_groups
+    assert groups is not None and groups.options.mode == mode
 
 
 @pytest.mark.parametrize(("rule", "expected"), [("linear", 0.5), ("sqrt", math.sqrt(0.5)), ("none", 1.0),
