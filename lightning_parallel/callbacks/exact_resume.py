@@ -37,11 +37,11 @@ from copy import deepcopy
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_parallel._compat import drop_loader_position, epoch_end_loop_progress, fit_loop_state
 from lightning_parallel.resumable_loader import skip_samples
+from lightning_parallel.runtime.log import rank_zero_warn
 
 
 def _reset_for_next_epoch(progress: Any) -> dict[str, Any]:

@@ -36,11 +36,11 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_parallel.adapters import adapt
 from lightning_parallel.checkpoints.hf.load import load_hf_weights
+from lightning_parallel.runtime.log import rank_zero_info
 
 
 def hf_model_prefix(module: pl.LightningModule) -> str:

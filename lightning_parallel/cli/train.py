@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,6 +40,9 @@ from lightning_parallel.runtime import signals
 from lightning_parallel.runtime.config_dir import CONFIG_DIR as _CONFIG_DIR
 
 register_resolver()  # hydra.run.dir names each run's own folder (conf/config.yaml)
+# Lightning 2.6.6's own pytree helper (lightning/pytorch/utilities/_pytree.py) builds torch's deprecated LeafSpec in
+# every fit: one FutureWarning per rank that no user or recipe can act on (the fix is Lightning's). Filtered once here.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
 CONFIG_DIR = str(_CONFIG_DIR)  # Hydra wants a string
 
