@@ -88,6 +88,28 @@ def resolve_folder(checkpoint_dir: PathLike, tag: str | None) -> tuple[Path, str
     return path, tag
 
 
+def check_deepspeed_checkpoint(
+    checkpoint_dir: PathLike, weights_only: Optional[bool] = None, tag: str | None = None
+) -> None:
+    """Refuse a DeepSpeed checkpoint any of whose files holds objects beyond the allow-list, before DeepSpeed reads it.
+
+    For readers that hand the folder to DeepSpeed itself (``engine.load_checkpoint``, ``zero_to_fp32``), which
+    unpickle every file with ``weights_only=False``.
+
+    Args:
+        checkpoint_dir: the folder written by ``trainer.save_checkpoint`` (or its tag folder).
+        weights_only: ``False``: the user trusts the folder (``Trainer.fit(..., weights_only=False)``): no check.
+        tag: the tag to check; default: the one named in ``latest`` (the one DeepSpeed loads).
+
+    Raises:
+        CheckpointRefused: a file holds other objects (see
+            :func:`~lightning_parallel.checkpoints.safe_loading.check_deepspeed_folder`).
+        ValueError: not a DeepSpeed checkpoint folder.
+    """
+    top, tag = resolve_folder(checkpoint_dir, tag)
+    check_deepspeed_folder(top / tag, weights_only)
+
+
 def has_zero_shards(tag_dir: Path) -> bool:
     """Whether a tag folder holds ZeRO 1-3 optimizer shards (stage 0 writes none)."""
     return any(tag_dir.glob("*_optim_states.pt"))

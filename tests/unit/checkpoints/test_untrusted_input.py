@@ -24,7 +24,11 @@ import torch
 from lightning_parallel.checkpoints import optimizer_state_dict, save_on_one_process
 from lightning_parallel.checkpoints.dcp import load_sharded_checkpoint
 from lightning_parallel.checkpoints.deepspeed.convert import as_lightning_checkpoint, convert_to_dcp
-from lightning_parallel.checkpoints.deepspeed.folder import consolidate_state_dict, read_lightning_state
+from lightning_parallel.checkpoints.deepspeed.folder import (
+    check_deepspeed_checkpoint,
+    consolidate_state_dict,
+    read_lightning_state,
+)
 from lightning_parallel.checkpoints.deepspeed.optimizer import consolidate_optimizer_state
 from lightning_parallel.checkpoints.detect import read_lightning_checkpoint
 from lightning_parallel.checkpoints.hf.load import load_hf_weights
@@ -175,7 +179,8 @@ def _load_sharded(path: Path) -> Any:
     return load_sharded_checkpoint(path, module, [optim])
 
 
-_DEEPSPEED = [consolidate_state_dict, consolidate_optimizer_state, as_lightning_checkpoint]
+# check_deepspeed_checkpoint: what DeepSpeedDataParallelStrategy checks before DeepSpeed's engine reads the folder.
+_DEEPSPEED = [consolidate_state_dict, consolidate_optimizer_state, as_lightning_checkpoint, check_deepspeed_checkpoint]
 _DCP = [read_lightning_checkpoint, _load_sharded, to_lightning_checkpoint]
 # crafted -> the Python readers that must refuse it (each reads the planted file)
 READERS = {
@@ -236,6 +241,8 @@ def test_trusted_sources_load_when_the_user_opts_in(tmp_path, capsys):
     assert lp_convert([str(folder), str(tmp_path / "refused.ckpt")]) == 2
     assert "--trust-source" in capsys.readouterr().err
     assert lp_convert([str(folder), str(tmp_path / "model.pt"), "--trust-source"]) == 0
+    check_deepspeed_checkpoint(folder, weights_only=False)
+    check_deepspeed_checkpoint(_zero0(tmp_path / "clean"))  # the suite's own folder passes
     assert read_lightning_state(folder, weights_only=False)["hyper_parameters"]["ratio"] == fractions.Fraction(1, 3)
     module, optim = _fresh()
     resume_from(folder, module, [optim], weights_only=False)  # Trainer.fit(..., weights_only=False)
