@@ -124,6 +124,8 @@ def print_simulation(simulation: Any, path: Path) -> None:
         console.print(f"class {index} ({len(result.ranks):,} ranks): {result.why}", overflow="fold")
     for note in sorted({n for result in simulation.classes for n in result.notes}):
         console.print(f"note: {note}", overflow="fold")
+    padding = max(result.padding_bytes for result in simulation.classes)
+    console.print(f"FSDP2 padding: up to {padding / 2**20:,.2f} MiB per rank beyond the local shapes (in params MiB)")
     verdict = {None: "no cluster memory given", True: "fits", False: "does NOT fit"}[simulation.fits]
     console.print(f"whole-world check passed ({simulation.elements_checked:,} parameter elements); activations not "
                   f"measured; {verdict}; {simulation.seconds:.1f} s; wrote {path}")

@@ -46,6 +46,7 @@ class RankRecord:
         specs: every parameter it holds, by its name in the unsplit model.
         local_shapes: the local shape of each of them, as torch built it.
         parameter_bytes, gradient_bytes, optimizer_bytes: bytes as stored (:mod:`.held`).
+        padding_bytes: how much more the parameters' storage holds than their local shapes (FSDP2's padding).
         gathered_bytes: FSDP2's unsharded parameters held at once at the peak of a step (:mod:`.gathered`).
         notes: how the simulation differs from a real run, if at all.
         seconds: wall time of this rank's simulation.
@@ -59,6 +60,7 @@ class RankRecord:
     gradient_bytes: int
     optimizer_bytes: int
     gathered_bytes: int
+    padding_bytes: int = 0
     notes: tuple[str, ...] = ()
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)  # further measurements (activations, collectives)
@@ -135,5 +137,6 @@ def _measure(rank: int, model: nn.Module, names: dict[str, str], layout: Paralle
     held.first_step(model, optimizers)
     notes = (DDP_NOTE,) if replicates_plain(layout, options, precision) else ()
     shapes = tuple(tuple(held.local(p).shape) for _, p in params)
+    unpadded = sum(held.local(p).numel() * p.element_size() for _, p in params)
     return RankRecord(rank, (), tuple(specs), shapes, parameters, gradients, held.optimizer_bytes(optimizers),
-                      gathered_bytes(model, options.zero_stage, policy), notes)
+                      gathered_bytes(model, options.zero_stage, policy), parameters - unpadded, notes)

@@ -27,6 +27,7 @@ class ClassResult:
         stages: the pipeline stages they hold.
         parameter_bytes, gradient_bytes, optimizer_bytes: as stored after the first optimizer step.
         gathered_bytes: FSDP2's unsharded units held at once during a step.
+        padding_bytes: of ``parameter_bytes``, what FSDP2's padding adds to the local shapes.
         activation_bytes: activations of the micro-batches in flight (None: not measured).
         peak_bytes: the predicted peak.
         collectives: the communication of one step by kind, mesh axis and bytes (empty: not measured).
@@ -43,6 +44,7 @@ class ClassResult:
     gathered_bytes: int
     activation_bytes: Optional[int]
     peak_bytes: int
+    padding_bytes: int = 0
     collectives: tuple[dict[str, Any], ...] = ()
     notes: tuple[str, ...] = ()
     seconds: float = 0.0
@@ -55,7 +57,7 @@ class ClassResult:
         peak = (record.parameter_bytes + record.gradient_bytes + record.optimizer_bytes + record.gathered_bytes
                 + (activations or 0))
         return cls(rank_class.ranks, rank_class.why, record.stages, record.parameter_bytes, record.gradient_bytes,
-                   record.optimizer_bytes, record.gathered_bytes, activations, peak,
+                   record.optimizer_bytes, record.gathered_bytes, activations, peak, record.padding_bytes,
                    tuple(record.extra.get("collectives", ())), record.notes, record.seconds)
 
 
