@@ -45,8 +45,14 @@ def compile_backend(choice: Compile) -> str:
         return "inductor"
     known = torch.compiler.list_backends(exclude_tags=())
     if not isinstance(choice, str) or choice not in known:
-        raise ValueError(f"compile={choice!r}: use True (inductor), False, or a torch.compile backend "
-                         f"({', '.join(sorted(known))}).")
+        import difflib
+
+        # torch's *_TESTING_ONLY backends exist to fail on purpose: never offered.
+        offered = sorted(b for b in known if not b.endswith("_TESTING_ONLY"))
+        near = difflib.get_close_matches(str(choice), offered, n=1)
+        hint = f"did you mean compile={near[0]!r}? " if near else ""
+        raise ValueError(f"compile={choice!r}: {hint}use True (inductor), False, or a torch.compile backend "
+                         f"({', '.join(offered)}).")
     return choice
 
 

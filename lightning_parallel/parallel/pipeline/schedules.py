@@ -38,7 +38,11 @@ def validate_schedule(schedule: str, pipeline_parallel: int, stages_per_rank: in
         microbatches: micro-batches per batch.
     """
     if schedule not in SCHEDULES:
-        raise ValueError(f"Unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}.")
+        import difflib
+
+        near = difflib.get_close_matches(str(schedule), list(SCHEDULES), n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise ValueError(f"Unknown schedule {schedule!r}: {hint}choose one of {', '.join(SCHEDULES)}.")
     if schedule not in available_schedules():
         raise ValueError(
             f"schedule={schedule!r} needs a newer torch ({torch.__version__} lacks it): "

@@ -56,3 +56,9 @@ def test_compile_beside_checkpointing_under_tensor_parallelism_is_refused_naming
         ParallelOptions(compile=True, activation_checkpointing="full", tensor_parallel_size=2)
     ParallelOptions(compile=True, activation_checkpointing="full")  # without tensor parallelism: compiled
     ParallelOptions(compile=True, tensor_parallel_size=2)  # without checkpointing: compiled
+
+
+def test_a_typo_suggests_the_backend_and_torchs_testing_backends_are_never_offered():
+    with pytest.raises(ValueError, match="did you mean compile='inductor'\\?") as caught:
+        compile_backend("inductr")
+    assert "TESTING_ONLY" not in str(caught.value)

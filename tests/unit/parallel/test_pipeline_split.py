@@ -98,6 +98,7 @@ def test_per_rank_parameters_are_about_one_over_p():
         (("1f1b", 4, 1, 2), "at least as many micro-batches"),
         (("interleaved_1f1b", 2, 2, 3), "multiple of pipeline_parallel_size"),
         (("pipedream", 2, 1, 4), "Unknown schedule"),
+        (("1f1f", 2, 1, 4), "Unknown schedule '1f1f': did you mean '1f1b'\\?"),
         (("gpipe", 2, 1, 0), "positive integer"),
     ],
 )
