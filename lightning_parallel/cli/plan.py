@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="run the top K for --steps steps and re-rank")
     parser.add_argument("--steps", type=int, default=12, help="steps per measured run (3 are warm-up)")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed's ZeRO stages out")
+    parser.add_argument("--simulate", type=int, default=0, metavar="K",
+                        help="build the top K layouts by simulation (lp-simulate) and show predicted and simulated "
+                        "memory side by side")
     return parser
 
 
@@ -128,6 +131,12 @@ def main(argv: Optional[list[str]] = None) -> None:
             best = next(p for p in plan.ranked if p.candidate.name == max(done, key=done.get))
     line = " ".join(overrides(best.candidate, work, per_node, nodes))
     print_plan(plan, line, args.top, measured, best=best.candidate.name)
+    if args.simulate and not args.shape:
+        from lightning_parallel.cli.plan_simulation import print_simulated, simulate_candidates
+
+        print_simulated(simulate_candidates(plan, list(args.overrides), work, per_node, nodes, args.simulate))
+    elif args.simulate:
+        print("lp-plan: --simulate builds the config's model; --shape names no module to build (use model=...).")
     if measured and any(measured.values()):
         print(f"measured best: {best.candidate.name} (predicted rank {plan.ranked.index(best) + 1})")
 

@@ -39,3 +39,12 @@ def test_a_run_prints_one_row_per_class_and_writes_simulation_json(tmp_path, cap
     assert found["world_size"] == 4 and found["fits"] is True and len(found["classes"]) == 2
     assert found["settings"]["cluster"] == "h100_node"
     assert "dp2 x pp2 x tp1" in out and "class 1 (2 ranks): pipeline position 1" in out and "fits" in out
+
+
+def test_lp_plan_simulate_shows_predicted_and_simulated_memory_side_by_side(capsys):
+    from lightning_parallel.cli.plan import main as lp_plan
+
+    lp_plan(["experiment=nlp_gpt", "model=gpt_tiny", "trainer.devices=2", "--top", "2", "--simulate", "2",
+             "--no-deepspeed"])
+    out = capsys.readouterr().out
+    assert "predicted and simulated memory" in out and "simulated" in out and "fits by simulation" in out
