@@ -59,9 +59,21 @@ class MetadataUnpickler(pickle.Unpickler):
     _TORCH_NAMES = {"Size", "device", "dtype", "layout", "memory_format", "strided", "sparse_coo", "contiguous_format",
                     "preserve_format", "channels_last", "channels_last_3d"}
 
+    # The classes torch 2.13's DCP pickles into .metadata (seen in every folder the suite's tests write: suite,
+    # Lightning and TorchRec folders, DTensor/FSDP2/pipeline layouts). Named one by one: the rest of
+    # torch.distributed.checkpoint holds functions a pickle could call with arguments of its choosing
+    # (format_utils.torch_save_to_dcp unpickles any file with weights_only=False).
+    _DCP_NAMES = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+            "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+        },
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    }
+
     def find_class(self, module: str, name: str) -> Any:
         allowed = (
-            module.startswith("torch.distributed.checkpoint.")
+            name in self._DCP_NAMES.get(module, ())
             or (
                 module == "torch"
                 and (name in self._TORCH_NAMES or isinstance(getattr(torch, name, None), torch.dtype))

@@ -206,6 +206,30 @@ def test_the_python_readers_refuse_it(tmp_path, name):
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "out.ckpt").exists()
 
 
+class _CallsADcpFunction:
+    """A ``.metadata`` that calls a function of torch.distributed.checkpoint on a file planted beside it."""
+
+    def __init__(self, planted: Path) -> None:
+        self.planted = planted
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[str, str]]:
+        from torch.distributed.checkpoint.format_utils import torch_save_to_dcp  # torch.load(weights_only=False)
+
+        return (torch_save_to_dcp, (str(self.planted), str(self.planted.with_suffix(".out"))))
+
+
+def test_a_metadata_file_cannot_call_what_dcp_defines(tmp_path, capsys):
+    """The allow-list names DCP's metadata classes: a function of DCP's modules is refused like any other."""
+    path = _dcp(tmp_path, lightning=False)
+    torch.save({"x": _Payload(tmp_path / "pwned")}, path / "planted.pt")
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(_CallsADcpFunction(path / "planted.pt"), f)
+    with pytest.raises(CheckpointRefused, match="format_utils.torch_save_to_dcp"):
+        _load_sharded(path)
+    assert lp_convert([str(path), str(tmp_path / "out.pt")]) == 2
+    assert "torch_save_to_dcp" in capsys.readouterr().err and not (tmp_path / "pwned").exists()
+
+
 def test_a_hugging_face_folder_is_never_unpickled(tmp_path, capsys):
     """``pytorch_model.bin`` is a pickle: the suite reads safetensors only and says so."""
     folder = tmp_path / "hf"
