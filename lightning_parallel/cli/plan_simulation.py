@@ -10,6 +10,7 @@ activations still the planner's -- decides whether the layout fits, and the diff
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -29,8 +30,8 @@ class SimulatedCandidate:
     note: str = ""
 
 
-def simulate_candidates(plan: Any, user: list[str], work: Any, per_node: int, nodes: int, count: int
-                        ) -> list[SimulatedCandidate]:
+def simulate_candidates(plan: Any, user: list[str], work: Any, per_node: int, nodes: int, count: int,
+                        compose: Callable[[list[str]], Any]) -> list[SimulatedCandidate]:
     """Simulate the ``count`` best layouts of ``plan`` (DDP and DeepSpeed layouts are shown as not simulated).
 
     Args:
@@ -39,6 +40,7 @@ def simulate_candidates(plan: Any, user: list[str], work: Any, per_node: int, no
         work: the workload (batch) the plan was made for.
         per_node, nodes: devices per node and nodes.
         count: how many of the ranked layouts to simulate.
+        compose: composes ``lp-train``'s config from overrides (``lp-plan``'s own).
     """
     from lightning_parallel.planner.plan import overrides
 
@@ -51,7 +53,7 @@ def simulate_candidates(plan: Any, user: list[str], work: Any, per_node: int, no
             out.append(_replace(predicted, note="not simulated: lp-simulate builds the hybrid strategy's layouts"))
             continue
         try:
-            simulation = _simulate(user + line, plan.cluster.memory_per_device)
+            simulation = _simulate(compose(user + line), plan.cluster.memory_per_device)
         except ValueError as error:
             out.append(_replace(predicted, note=f"refused: {str(error).splitlines()[0][:120]}"))
             continue
@@ -69,15 +71,13 @@ def _replace(candidate: SimulatedCandidate, **changes: Any) -> SimulatedCandidat
     return replace(candidate, **changes)
 
 
-def _simulate(overrides: list[str], device_memory: float) -> Any:
-    """The simulation of the layout ``lp-train overrides`` would run (its preflight first)."""
+def _simulate(cfg: Any, device_memory: float) -> Any:
+    """The simulation of the layout ``lp-train`` would run with ``cfg`` (its preflight first)."""
     from hydra.utils import instantiate
 
-    from lightning_parallel.cli.plan import compose
     from lightning_parallel.cli.preflight import SETTING_NAMES, preflight, world_size_of
     from lightning_parallel.planner.simulation import simulate
 
-    cfg = compose(overrides)
     strategy, _ = preflight(cfg)
     return simulate(lambda: instantiate(cfg.model), strategy.options, world_size_of(cfg),
                     num_nodes=int(cfg.trainer.num_nodes), precision=str(cfg.trainer.get("precision", "32-true")),

@@ -103,7 +103,8 @@ def _why(position: int, record: RankRecord, members: Sequence[int], coordinates:
     """One line: the shared pipeline position and shapes, and which coordinates vary inside the class."""
     stages = f" (stages {', '.join(map(str, record.stages))})" if record.stages else ""
     varying = []
-    for axis in ("data_parallel", "context_parallel", "tensor_parallel", "data_shard", "expert_parallel"):
+    axes = dict.fromkeys(("data_parallel", "context_parallel", "tensor_parallel", *split_axes(record.specs)))
+    for axis in axes:  # the run's axes, and the mesh axes that split a parameter (FSDP2's shard, experts)
         values = sorted({coordinates[r][axis] for r in members})
         if len(values) > 1:
             varying.append(f"{axis} {_span(values)}")
