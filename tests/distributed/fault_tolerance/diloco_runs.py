@@ -1,0 +1,150 @@
+"""Rank functions and the one-process replay for the DiLoCo tests (``fault_tolerance.mode=diloco`` and
+``streaming_diloco``)."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+
+from lightning_parallel.fault_tolerance.gradient_average import average_gradients
+from lightning_parallel.fault_tolerance.replica_state import module_state
+from lightning_parallel.strategies import HybridParallelStrategy
+from lightning_parallel.testing.faults import FaultInjection, HoldWhileDegraded, incarnation
+from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
+from tests.distributed.fault_tolerance.replica_runs import (
+    BATCH,
+    DEPTH,
+    LAYOUTS,
+    SAMPLES,
+    WIDTH,
+    CommittedBatches,
+)
+
+
+class _Sent:
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: Any = None) -> Any:
+        self.bytes += tensor.numel() * tensor.element_size()
+        return _Done()
+
+
+class _Done:
+    def wait(self) -> None:
+        """Nothing travelled."""
+
+
+class Meetings(Callback):
+    """After every meeting: this rank's parameters and outer state; through the run: the bytes its manager's
+    all-reduces sent across groups (the torchft manager's ``allreduce`` wrapped with a counter)."""
+
+    def __init__(self) -> None:
+        self.snapshots: list[dict[str, Any]] = []
+        self.bytes = 0
+        self.steps = 0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        manager = trainer.strategy.replica_groups.manager
+        send = manager.allreduce
+
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.bytes += tensor.numel() * tensor.element_size()
+            return send(tensor, *args, **kwargs)
+
+        manager.allreduce = counted
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.steps += 1
+        outer = trainer.strategy.replica_groups.outer
+        if outer is not None and outer.fragment_at(trainer.global_step) is not None:
+            self.snapshots.append({"step": trainer.global_step, "outer": copy.deepcopy(outer.state_dict()),
+                                   "local": {k: v.clone() for k, v in module_state(pl_module).items()},
+                                   "committed": outer.meetings[-1]["committed"]})
+
+
+def ddp_bytes_per_step(module: torch.nn.Module) -> int:
+    """What ``mode=ddp`` sends across groups per step from this rank: its own per-step payload (the gradients and
+    the presence flags and stop vote beside them) counted through a manager that only counts."""
+    sent = _Sent()
+    average_gradients(sent, [p for p in module.parameters() if p.requires_grad], (0.0,))
+    return sent.bytes
+
+
+def diloco_rank(rank: int, world_size: int, layout: str, steps: int, faults: tuple, ft: dict,
+                folder: str) -> dict[str, Any]:
+    """One rank of one replica group: ``steps`` steps of the residual MLP (AdamW) under ``ft``; what it met."""
+    pl.seed_everything(0, verbose=False)
+    model = ResidualMLP(width=WIDTH, depth=DEPTH, optimizer="adamw")
+    recorder, meetings = CommittedBatches(Path(folder)), Meetings()
+    strategy = HybridParallelStrategy(**LAYOUTS[layout], fault_tolerance=ft)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps,
+                         callbacks=[FaultInjection(*faults), HoldWhileDegraded(), recorder, meetings],
+                         use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0)
+    trainer.fit(model, datamodule=FixedOrderData(regression_dataset(SAMPLES, WIDTH), BATCH))
+    outer = strategy.replica_groups.outer
+    return {"group": int(os.environ["REPLICA_GROUP_ID"]), "incarnation": incarnation(), "records": recorder.records,
+            "snapshots": meetings.snapshots, "bytes": meetings.bytes, "steps": meetings.steps,
+            "ddp_bytes_per_step": ddp_bytes_per_step(model), "meetings": outer.meetings,
+            "fragments": outer.fragment_names(), "local": module_state(model), "outer": outer.state_dict(),
+            "global_step": trainer.global_step}
+
+
+def diloco_reference(records_by_group: list[list[dict[str, Any]]], ft: dict, fragments: list[list[str]],
+                     ) -> dict[int, dict[str, torch.Tensor]]:
+    """DiLoCo in one process: every group's model steps AdamW on its own recorded batches; at each meeting the
+    meeting fragment's pseudo-gradients (last-meeting parameters - parameters now) are averaged over the groups,
+    an outer SGD (Nesterov) steps the last-meeting parameters with it and every group continues from them.
+
+    Args:
+        records_by_group: each group's recorded batches, step by step.
+        ft: the run's ``fault_tolerance`` options.
+        fragments: the fragments' parameter names (over all ranks of a group).
+
+    Returns:
+        ``{step: the parameters after that step's meeting}``.
+    """
+    models, inner = [], []
+    for _ in records_by_group:
+        pl.seed_everything(0, verbose=False)
+        models.append(ResidualMLP(width=WIDTH, depth=DEPTH, optimizer="adamw"))
+        inner.append(models[-1].configure_optimizers())
+    names = [n for n, _ in models[0].named_parameters()]
+    originals = {n: p.detach().clone() for n, p in models[0].named_parameters()}
+    outer = torch.optim.SGD(list(originals.values()), lr=ft.get("outer_lr", 0.7),
+                            momentum=ft.get("outer_momentum", 0.9), nesterov=ft.get("outer_nesterov", True))
+    interval = ft["sync_every"] // len(fragments)
+    snapshots = {}
+    for step in range(len(records_by_group[0])):
+        for model, optimizer, records in zip(models, inner, records_by_group):
+            inputs, targets = records[step]["batch"]
+            optimizer.zero_grad()
+            F.mse_loss(model(inputs), targets).backward()
+            optimizer.step()
+        if (step + 1) % interval:
+            continue
+        meeting = set(fragments[((step + 1) // interval - 1) % len(fragments)])
+        with torch.no_grad():
+            for name in names:
+                if name in meeting:
+                    drifts = [originals[name] - dict(m.named_parameters())[name] for m in models]
+                    if ft.get("exchange") == "bf16":  # gloo sums the bf16 buffers
+                        drifts = [d.to(torch.bfloat16) for d in drifts]
+                    originals[name].grad = sum(drifts[1:], drifts[0]).float() / len(models)
+            outer.step()
+            outer.zero_grad(set_to_none=True)
+            for model in models:
+                for name, p in model.named_parameters():
+                    if name in meeting:
+                        p.copy_(originals[name])
+        snapshots[step + 1] = {k: v.detach().clone() for k, v in models[0].state_dict().items()}
+    return snapshots

@@ -1,0 +1,101 @@
+"""``fault_tolerance.mode=diloco`` and ``streaming_diloco`` on two replica groups of pipeline 2 (4 processes and a
+lighthouse): the parameters after every meeting equal a one-process replay of DiLoCo on the same batches, the
+bytes sent across groups per step are ``1 / sync_every`` of ``mode=ddp``'s, fragments meet at their staggered
+steps, and a group killed mid-run rejoins at the next meeting identical to the survivor (parameters and outer
+optimizer state).
+
+Tolerance: the groups' inner steps run as a pipeline of two micro-batches where the replay takes the whole batch;
+the bound is the issue's 1e-5.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_parallel.testing.faults import fail_at
+from lightning_parallel.testing.replica_groups import run_replica_groups
+from tests.distributed.fault_tolerance.diloco_runs import diloco_rank, diloco_reference
+from tests.distributed.fault_tolerance.replica_runs import recorded
+
+pytest.importorskip("torchft")
+
+FT = {"timeout": 10, "quorum_timeout": 60, "connect_timeout": 5, "mode": "diloco", "sync_every": 5}
+STEPS = 20
+
+
+def _replay_gap(result, ft: dict, folder: Path) -> float:
+    """Largest difference, over every meeting, group and rank, to the one-process replay under ``ft``."""
+    records = recorded(folder, 2)
+    assert [[r["step"] for r in group] for group in records] == [list(range(STEPS))] * 2
+    fragments = [sum((out["fragments"][f] for out in result.outputs[0]), []) for f in
+                 range(len(result.outputs[0][0]["fragments"]))]
+    reference = diloco_reference(records, ft, fragments)
+    gap, met = 0.0, set()
+    for group in result.outputs:
+        for out in group:
+            for snap in out["snapshots"]:
+                met.add(snap["step"])
+                expected = reference[snap["step"]]
+                gap = max([gap] + [float((v - expected[k]).abs().max()) for k, v in snap["local"].items()])
+    assert met == set(reference), (sorted(met), sorted(reference))
+    return gap
+
+
+def _identical(a: dict, b: dict) -> bool:
+    same = a["local"].keys() == b["local"].keys() and all(torch.equal(a["local"][k], b["local"][k]) for k in a["local"])
+    same &= all(torch.equal(x, y) for x, y in zip(a["outer"]["originals"], b["outer"]["originals"]))
+    mine, theirs = a["outer"]["outer"]["state"], b["outer"]["outer"]["state"]
+    return same and mine.keys() == theirs.keys() and all(
+        torch.equal(mine[k]["momentum_buffer"], theirs[k]["momentum_buffer"]) for k in mine)
+
+
+def test_diloco_meetings_equal_a_one_process_replay_at_a_fifth_of_ddp_s_bytes(tmp_path: Path) -> None:
+    result = run_replica_groups(diloco_rank, 2, 2, "pipeline 2", STEPS, (), FT, str(tmp_path), timeout=400)
+    assert result.restarts == [0, 0]
+    gap = _replay_gap(result, FT, tmp_path)
+    # Negative control: the same replay without the outer Nesterov step (a plain average, local SGD) is far off.
+    control = _replay_gap(result, {**FT, "outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": False}, tmp_path)
+    ratios = []
+    for out in result.outputs[0] + result.outputs[1]:
+        assert [m["step"] for m in out["meetings"]] == [5, 10, 15, 20] and all(m["committed"] for m in out["meetings"])
+        ratios.append(out["bytes"] / out["steps"] / out["ddp_bytes_per_step"])
+    for a, b in zip(result.outputs[0], result.outputs[1]):
+        assert _identical(a, b)
+    print(f"diloco replay: max difference {gap:.2e} over 4 meetings (control without the outer step: "
+          f"{control:.2e}); cross-group bytes per step / ddp's: "
+          f"{', '.join(f'{r:.4f}' for r in ratios)}")
+    assert gap < 1e-5 < 1e-3 < control
+    assert all(abs(r - 1 / 5) < 0.005 for r in ratios), ratios  # ddp also sends presence flags and a stop vote
+
+
+@pytest.mark.extended  # ~2 min on 2 shared cores: a restart of a 2-process group
+def test_a_killed_group_rejoins_diloco_identical_to_the_survivor(tmp_path: Path) -> None:
+    steps = 25
+    result = run_replica_groups(diloco_rank, 2, 2, "pipeline 2", steps, (fail_at(1, 0, 7),), FT, str(tmp_path),
+                                timeout=400, restart_delay=3.0)
+    assert result.restarts == [0, 1], result.failures
+    survivor, rejoined = result.outputs[0], result.outputs[1]
+    assert [r["step"] for r in recorded(tmp_path, 2)[0]] == list(range(steps))  # the survivor never stopped
+    first = rejoined[0]["meetings"][0]["step"]
+    assert first % 5 == 0 and first > 7, first
+    for a, b in zip(survivor, rejoined):
+        theirs = {s["step"]: s for s in a["snapshots"]}
+        assert all(_identical(theirs[s["step"]], s) for s in b["snapshots"]), "differs after a meeting"
+        assert _identical(a, b) and b["global_step"] == steps
+    print(f"diloco rejoin: group 1 rejoined at the meeting of step {first}, identical after "
+          f"{len(rejoined[0]['snapshots'])} meetings")
+
+
+@pytest.mark.extended  # ~1.5 min each
+@pytest.mark.parametrize("exchange", ["fp32", "bf16"])
+def test_streaming_diloco_fragments_meet_at_staggered_steps_as_the_replay(exchange: str, tmp_path: Path) -> None:
+    ft = {**FT, "mode": "streaming_diloco", "sync_every": 10, "fragments": 2, "exchange": exchange}
+    result = run_replica_groups(diloco_rank, 2, 2, "pipeline 2", STEPS, (), ft, str(tmp_path), timeout=400)
+    for out in result.outputs[0] + result.outputs[1]:
+        assert [(m["step"], m["fragment"]) for m in out["meetings"]] == [(5, 0), (10, 1), (15, 0), (20, 1)]
+    gap = _replay_gap(result, ft, tmp_path)
+    print(f"streaming diloco ({exchange}) replay: max difference {gap:.2e}")
+    assert gap < 1e-5
