@@ -1,4 +1,4 @@
-"""Reading a DCP checkpoint without unpickling arbitrary objects.
+"""Reading checkpoints without unpickling arbitrary objects: DCP folders, single files, DeepSpeed folders.
 
 torch 2.13's DCP unpickles ``.metadata`` and every non-tensor entry (learning rates, flags of
 optimizer param groups) with plain ``pickle``/``torch.load(weights_only=False)``, which would
