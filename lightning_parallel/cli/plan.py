@@ -94,6 +94,9 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, Any, int]:
     from lightning_parallel.planner.hf_shapes import named_shape
     from lightning_parallel.planner.shapes import LLAMA3, llama3_shape
 
+    from lightning_parallel.cli.overrides_check import check_overrides
+
+    check_overrides(list(args.overrides), str(CONFIG_DIR))  # did-you-mean, as lp-train (ValueError: exit 2)
     cfg = compose(list(args.overrides))
     world = args.devices or world_size_of(cfg)
     cluster = load_cluster(args.cluster, CONFIG_DIR)
@@ -113,13 +116,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     """Console entry point (``lp-plan``)."""
     from lightning_parallel.planner.table import print_plan
 
+    from hydra.errors import HydraException
+
     args = _parser().parse_args(argv)
     try:
         plan, cfg, per_node = plan_from_args(args)
         nodes = plan.world // per_node
         work = workload_of(cfg)
         best = plan.best
-    except ValueError as error:
+    except (ValueError, HydraException) as error:  # Hydra's own: what composing the overrides refused
         print(f"lp-plan: error: {error}", file=sys.stderr)
         sys.exit(2)
     measured = None
