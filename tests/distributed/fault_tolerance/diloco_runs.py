@@ -100,7 +100,7 @@ def diloco_rank(rank: int, world_size: int, layout: str, steps: int, faults: tup
 
 
 def diloco_reference(records_by_group: list[list[dict[str, Any]]], ft: dict, fragments: list[list[str]],
-                     ) -> dict[int, dict[str, torch.Tensor]]:
+                     ) -> dict[int, list[dict[str, torch.Tensor]]]:
     """DiLoCo in one process: every group's model steps AdamW on its own recorded batches; at each meeting the
     meeting fragment's pseudo-gradients (last-meeting parameters - parameters now) are averaged over the groups,
     an outer SGD (Nesterov) steps the last-meeting parameters with it and every group continues from them.
@@ -111,7 +111,8 @@ def diloco_reference(records_by_group: list[list[dict[str, Any]]], ft: dict, fra
         fragments: the fragments' parameter names (over all ranks of a group).
 
     Returns:
-        ``{step: the parameters after that step's meeting}``.
+        ``{step: every group's parameters after that step's meeting}`` (under streaming the fragments that did
+        not meet are still each group's own).
     """
     models, inner = [], []
     for _ in records_by_group:
@@ -146,5 +147,5 @@ def diloco_reference(records_by_group: list[list[dict[str, Any]]], ft: dict, fra
                 for name, p in model.named_parameters():
                     if name in meeting:
                         p.copy_(originals[name])
-        snapshots[step + 1] = {k: v.detach().clone() for k, v in models[0].state_dict().items()}
+        snapshots[step + 1] = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
     return snapshots

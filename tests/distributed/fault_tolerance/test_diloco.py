@@ -34,11 +34,11 @@ def _replay_gap(result, ft: dict, folder: Path) -> float:
                  range(len(result.outputs[0][0]["fragments"]))]
     reference = diloco_reference(records, ft, fragments)
     gap, met = 0.0, set()
-    for group in result.outputs:
+    for g, group in enumerate(result.outputs):
         for out in group:
             for snap in out["snapshots"]:
                 met.add(snap["step"])
-                expected = reference[snap["step"]]
+                expected = reference[snap["step"]][g]
                 gap = max([gap] + [float((v - expected[k]).abs().max()) for k, v in snap["local"].items()])
     assert met == set(reference), (sorted(met), sorted(reference))
     return gap
@@ -94,8 +94,15 @@ def test_a_killed_group_rejoins_diloco_identical_to_the_survivor(tmp_path: Path)
 def test_streaming_diloco_fragments_meet_at_staggered_steps_as_the_replay(exchange: str, tmp_path: Path) -> None:
     ft = {**FT, "mode": "streaming_diloco", "sync_every": 10, "fragments": 2, "exchange": exchange}
     result = run_replica_groups(diloco_rank, 2, 2, "pipeline 2", STEPS, (), ft, str(tmp_path), timeout=400)
+    ratios = []
     for out in result.outputs[0] + result.outputs[1]:
         assert [(m["step"], m["fragment"]) for m in out["meetings"]] == [(5, 0), (10, 1), (15, 0), (20, 1)]
+        ratios.append(out["bytes"] / out["steps"] / out["ddp_bytes_per_step"])
     gap = _replay_gap(result, ft, tmp_path)
-    print(f"streaming diloco ({exchange}) replay: max difference {gap:.2e}")
-    assert gap < 1e-5
+    print(f"streaming diloco ({exchange}) replay: max difference {gap:.2e}; cross-group bytes per step / ddp's: "
+          f"{', '.join(f'{r:.4f}' for r in ratios)}")
+    # Every fragment meets once per sync_every=10 steps: the whole model every 10 steps, in half the bytes in bf16.
+    assert all(abs(r - (1 / 10 if exchange == "fp32" else 1 / 20)) < 0.005 for r in ratios), ratios
+    # bf16: the replay rounds the same sums to bf16, but a 1e-7 difference in a pseudo-gradient from the pipeline's
+    # micro-batches can round to the neighbouring bf16 value (2**-8 relative), which the outer step carries on.
+    assert gap < (1e-5 if exchange == "fp32" else 1e-3)
