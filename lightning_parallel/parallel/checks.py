@@ -56,6 +56,7 @@ def check_module(
     adapter.check_batch_split(batch_splits(layout, options.schedule))
     if layout.expert_parallel > 1:
         adapter.check_expert_parallel(layout.expert_parallel)
+    check_expert_data_shard(options, layout)
     return check_tensor(module, layout, options, adapter=adapter)
 
 
@@ -108,7 +109,24 @@ def check_whole(module: nn.Module, layout: ParallelLayout, options: ParallelOpti
     adapter.check_batch_split(batch_splits(layout, options.schedule))
     if layout.expert_parallel > 1:
         adapter.check_expert_parallel(layout.expert_parallel)
+    check_expert_data_shard(options, layout)
     return pipe, plan
+
+
+def check_expert_data_shard(options: ParallelOptions, layout: ParallelLayout) -> None:
+    """Refuse ``expert_data_shard`` where each expert lives on one rank only (nothing would be sharded).
+
+    Args:
+        options: the run's options.
+        layout: the run's layout.
+
+    Raises:
+        ValueError: expert size equal to data x context size, naming the fix.
+    """
+    if options.expert_data_shard and layout.data_context == layout.expert_parallel:  # never less than asked
+        raise ValueError(f"expert_data_shard=True shards experts over the ranks holding the same ones, but under "
+                         f"{layout.describe()} each expert is on one rank only (expert size = data x context size "
+                         f"{layout.data_context}): use a smaller expert_parallel_size, or drop expert_data_shard.")
 
 
 def refuse_parallelized(module: nn.Module) -> None:

@@ -192,9 +192,11 @@ def _wrap_data_axis(module: nn.Module, layout: ParallelLayout, options: Parallel
                     split: Optional[PipelineSplit], stages: list, precision: str, adapter: ModelAdapter) -> None:
     """Step 5 of :func:`parallelize`: FSDP2 per layer, then per stage (or the model's roots), over the data mesh.
 
-    ``meshes`` is ``(mesh, data_mesh)`` as :func:`parallelize` got them; nothing is wrapped
-    when there is no data axis to reduce over (``zero_stage=0`` on one data rank).
+    ``meshes`` is ``(mesh, data_mesh, expert_data_mesh)`` as :func:`parallelize` got them (the last None without
+    experts to shard over it); nothing is wrapped when there is no data axis to reduce over (``zero_stage=0`` on
+    one data rank).
     """
+    expert_data, meshes = meshes[2], meshes[:2]
     if not uses_data_axis(layout, options.zero_stage) or replicates_plain(layout, options, precision):
         return  # nothing to reduce over, or torch's DDP takes the axis once the share is materialised
     dp_mesh = data_axis_mesh(layout, options.zero_stage, *meshes)
@@ -204,6 +206,10 @@ def _wrap_data_axis(module: nn.Module, layout: ParallelLayout, options: Parallel
     from lightning_parallel.parallel.experts.sharded import expert_parameters
 
     experts = {p for _, p in expert_parameters(module)}  # reduced over the expert-data group, not here
+    if options.expert_data_shard and expert_data is not None:  # FSDP2 over the expert-data group: children first
+        from lightning_parallel.parallel.experts.sharded import shard_experts_over_data
+
+        shard_experts_over_data(module, expert_data, policy)
     shard_data_axis(_data_axis_layers(module, split, adapter), roots, dp_mesh, options.zero_stage, policy,
                     options.bucket_bytes, options.fsdp_prefetch, options.offload, experts)
 
@@ -255,7 +261,8 @@ def parallelize(module: nn.Module, *, meshes: RunMeshes, options: ParallelOption
     context_split = apply_context(module, layout, mesh, options, adapter)
     apply_experts(module, layout, _expert_axis(meshes), adapter)
     _checkpoint_and_compile(module, options, split, adapter)
-    _wrap_data_axis(module, layout, options, (mesh, meshes.data), split, stages, build.precision, adapter)
+    _wrap_data_axis(module, layout, options, (mesh, meshes.data, _expert_data_mesh(meshes, options)), split, stages,
+                    build.precision, adapter)
     if init_plan is not None:  # (7) only now is anything allocated: this rank's share
         _materialize_share(module, build.materialization, init_plan, adapter, plan, options.offload)
     pipeline_tied.mark_copies(module, tied)  # after FSDP2/TP/to_empty replaced the parameter objects
@@ -277,6 +284,14 @@ def _expert_axis(meshes: RunMeshes) -> Optional[ExpertAxis]:
 
     return ExpertAxis(meshes.mesh(EXPERT_PARALLEL), meshes.loss_group()[0], meshes.group(EXPERT_DATA),
                       _compat.grouped_mm)
+
+
+def _expert_data_mesh(meshes: RunMeshes, options: ParallelOptions) -> Optional[Any]:
+    """The expert-data mesh experts are sharded over (``expert_data_shard``), or None: not asked, or one rank."""
+    if not options.expert_data_shard or meshes.layout.expert_parallel == 1:
+        return None
+    mesh = meshes.mesh(EXPERT_DATA)
+    return mesh if mesh.size() > 1 else None
 
 
 def _plain_data_axis(module: nn.Module, layout: ParallelLayout, options: ParallelOptions, meshes: tuple,

@@ -149,6 +149,10 @@ class ParallelOptions:
         expert_parallel_size: ranks sharing each mixture-of-experts layer's experts (``E / size`` each), borrowed
             from the data x context ranks (must divide them); tokens travel to their experts by all-to-all
             (:mod:`lightning_parallel.parallel.experts`); 1: every rank holds every expert.
+        expert_data_shard: also shard each rank's experts over the ranks that hold the same experts (the
+            expert-data group; torchtitan's ``efsdp``): FSDP2 cuts their second dimension, gathers them for the
+            expert matmuls and reduce-scatters their gradients, so expert bytes per rank fall with the data size.
+            False: the expert-data ranks each keep their experts whole and all-reduce the gradients.
 
     Raises:
         ValueError: any option that cannot work, naming the fix.
@@ -182,6 +186,7 @@ class ParallelOptions:
     context_parallel_size: Size = 1
     context_parallel_method: str = "ring"
     expert_parallel_size: int = 1
+    expert_data_shard: bool = False
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
@@ -207,6 +212,10 @@ class ParallelOptions:
         checks.check_prefetch(self.fsdp_prefetch, self.zero_stage)
         checks.check_offload(self.offload, self.zero_stage)
         checks.check_context(self.context_parallel_size, self.expert_parallel_size, self.context_parallel_method)
+        if self.expert_data_shard and self.expert_parallel_size == 1:
+            raise ValueError("expert_data_shard=True shards the experts each expert-parallel rank holds; with "
+                             "expert_parallel_size=1 there are none: set expert_parallel_size > 1, or shard every "
+                             "parameter with zero_stage=3.")
         if self.async_save and not self.save_distributed_checkpoint:
             raise ValueError("async_save=True writes the sharded folder in the background; with "
                              "save_distributed_checkpoint=False there is none: keep the folder or save synchronously.")
@@ -268,7 +277,7 @@ class ParallelOptions:
                 self.loss_parallel, repr(self.plan), self.activation_checkpointing, self.param_dtype, self.reduce_dtype,
                 self.data_replicate_size, self.data_shard_size, self.bucket_size_mb, self.fsdp_prefetch,
                 self.offload, self.context_parallel_size, self.context_parallel_method, self.expert_parallel_size,
-                self.compile, self.find_unused_parameters)
+                self.compile, self.find_unused_parameters, self.expert_data_shard)
 
 
 def option_names() -> tuple[str, ...]:

@@ -106,6 +106,7 @@ class Candidate:
         cp_method: ``ring`` or ``ulysses`` (``-`` without context parallelism).
         ep: expert-parallel size (ranks of data x context sharing each MoE module's experts; 1: off).
         units_mb: hybrid ZeRO 2: layers grouped into FSDP2 units of up to this many MB (0: one per layer).
+        expert_shard: the experts also sharded over their expert-data ranks (``expert_data_shard``).
     """
 
     engine: str
@@ -124,6 +125,7 @@ class Candidate:
     cp_method: str = "-"
     ep: int = 1
     units_mb: float = 0.0
+    expert_shard: bool = False
 
     @property
     def world(self) -> int:
@@ -142,7 +144,8 @@ class Candidate:
         sizes = "x".join(f"{a}{n}" for a, n in axes if n > 1) or "dp1"
         engine = {"deepspeed": f"ds{self.zero}", "ddp": "ddp"}.get(self.engine, f"zero{self.zero}" if self.zero else "")
         units = f"u{self.units_mb:g}" if self.units_mb else ""
-        parts = [sizes, self.cp_method if self.cp > 1 else "", f"ep{self.ep}" if self.ep > 1 else "", engine, units]
+        experts = (f"ep{self.ep}" + ("-shard" if self.expert_shard else "")) if self.ep > 1 else ""
+        parts = [sizes, self.cp_method if self.cp > 1 else "", experts, engine, units]
         if self.pp > 1:
             parts += [self.schedule + (f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""),
                       f"m{self.microbatches}"]
@@ -329,6 +332,7 @@ def _layouts(shape: ModelShape, work: Workload, space: SearchSpace, checkpointin
                     base = Candidate(engine, dp, pp, tp, zero, schedule, v, m, eff.micro_batch_size,
                                      eff.accumulate_grad_batches, eff.global_batch_size, cp=cp, ep=ep, units_mb=units)
                     modes = checkpointing if engine != "ddp" else ("none",)  # strategy=ddp has no checkpointing
-                    candidates += [replace(base, checkpointing=ac, cp_method=method)
-                                   for method in methods for ac in modes]
+                    shards = (False, True) if ep > 1 and dp * cp // ep > 1 else (False,)  # expert_data_shard
+                    candidates += [replace(base, checkpointing=ac, cp_method=method, expert_shard=shard)
+                                   for method in methods for ac in modes for shard in shards]
     return candidates, rejected

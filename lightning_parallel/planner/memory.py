@@ -101,7 +101,7 @@ def state_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> tuple[flo
             shape.optimizer_states * b * _flat_share(total, c, 1),
         )
     fsdp = c.replicas if c.zero in (2, 3) else 1
-    counts = shape.local_counts(c.tp, fsdp, c.ep)
+    counts = shape.local_counts(c.tp, fsdp, c.ep, c.replicas // c.ep if c.expert_shard else 1)
     local = sum(counts[i][1] for i in layers)
     return b * local, b * local, shape.optimizer_states * b * local
 
@@ -129,7 +129,8 @@ def working_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> float:
     """Parameters gathered while computing: FSDP2 keeps the rank's layers unsharded from forward to backward
     (ZeRO-2, and replicated data parallelism, which runs on FSDP2 with shard groups of one rank: a second copy
     of the parameters); ZeRO-3 (FSDP2 or DeepSpeed) gathers a layer and prefetches the next. Experts sharded by
-    expert parallelism are not FSDP2's: they are never gathered."""
+    expert parallelism are not FSDP2's: they are never gathered, unless sharded over their expert-data ranks too
+    (``expert_shard``): then one MoE module's ``E / ep`` experts are gathered at a time, and the next prefetched."""
     fsdp = c.replicas > 1 and c.engine == "hybrid"
     if not (fsdp or (c.engine == "deepspeed" and c.zero == 3 and c.dp > 1)):
         return 0.0
@@ -137,6 +138,10 @@ def working_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> float:
     experts = shape.expert_counts() if c.ep > 1 else (0,) * len(shape.layers)
     full = [counts[i][0] - experts[i] for i in layers]
     gathered = sum(full) if (fsdp and c.zero in (0, 2)) else 2 * max(full, default=0)  # 2: prefetch
+    if c.expert_shard:
+        modules = [shape.expert_counts(c.ep)[i] // shape.layers[i].moe_modules for i in layers
+                   if shape.layers[i].moe_modules]
+        gathered += 2 * max(modules, default=0)
     return shape.param_bytes * gathered
 
 

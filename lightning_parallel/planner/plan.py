@@ -96,6 +96,8 @@ def strategy_overrides(c: Candidate) -> list[str]:
         out += [f"strategy.context_parallel_size={c.cp}", f"strategy.context_parallel_method={c.cp_method}"]
     if c.ep > 1:
         out.append(f"strategy.expert_parallel_size={c.ep}")
+    if c.expert_shard:
+        out.append("strategy.expert_data_shard=true")
     if c.pp > 1:
         out += [f"strategy.schedule={c.schedule}", f"strategy.stages_per_rank={c.stages_per_rank}",
                 f"strategy.microbatches={c.microbatches}"]

@@ -177,7 +177,11 @@ def _expert_sync(shape: ModelShape, cluster: Cluster, c: Candidate, layers: list
         return 0.0, 0.0, 0.0
     local = shape.param_bytes * sum(shape.expert_counts(c.ep)[i] for i in layers)
     whole = shape.param_bytes * sum(shape.expert_counts()[i] for i in layers)
-    return local, whole, all_reduce(cluster.link(c.world, c.world), c.replicas // c.ep, local)
+    seconds = all_reduce(cluster.link(c.world, c.world), c.replicas // c.ep, local)
+    if c.expert_shard:  # FSDP2: a reduce-scatter and two all-gathers (forward, backward) where an all-reduce is one
+        edp = c.replicas // c.ep
+        return local / edp, whole, 1.5 * seconds  # local: at rest (the ``params`` it is taken from are sharded)
+    return local, whole, seconds
 
 
 def _rank_data_axis(shape: ModelShape, cluster: Cluster, c: Candidate, layers: list[int],

@@ -172,14 +172,16 @@ class ModelShape:
     def _local_cache(self) -> dict[tuple[int, int, int], tuple[tuple[int, int], ...]]:
         return {}
 
-    def local_counts(self, tp: int, fsdp: int, ep: int = 1) -> tuple[tuple[int, int], ...]:
+    def local_counts(self, tp: int, fsdp: int, ep: int = 1, expert_data: int = 1) -> tuple[tuple[int, int], ...]:
         """Per layer: (elements a tensor rank holds, elements the first FSDP shard of that holds) for ``tp`` and
         ``fsdp`` (1: no FSDP). FSDP2 cuts dim 0 as tensor parallelism left it, rounding up (``torch.chunk``).
 
         Under expert parallelism (``ep > 1``) a rank holds ``E / ep`` experts whole: FSDP2 leaves them out (their
-        gradients are reduced over the expert-data group instead). With ``ep = 1`` they are ordinary parameters.
+        gradients are reduced over the expert-data group instead), unless they are sharded over their
+        ``expert_data`` ranks (``expert_data_shard``): FSDP2 then cuts their dim 1, rounding up. With ``ep = 1``
+        they are ordinary parameters.
         """
-        key = (tp, fsdp, ep)
+        key = (tp, fsdp, ep, expert_data)
         if key not in self._local_cache:
             rows = []
             for layer in self.layers:
@@ -189,8 +191,11 @@ class ModelShape:
                     if tp > 1 and p.tp_dim is not None:
                         dims[p.tp_dim] //= tp
                     if p.expert and ep > 1:
-                        tp_local += math.prod(dims) // ep
-                        shard += math.prod(dims) // ep
+                        held = math.prod(dims) // ep
+                        tp_local += held
+                        if expert_data > 1 and len(dims) > 1:
+                            held = held // dims[1] * -(-dims[1] // expert_data)
+                        shard += held
                         continue
                     tp_local += math.prod(dims)
                     dims[0] = -(-dims[0] // fsdp)

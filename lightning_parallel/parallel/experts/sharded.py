@@ -177,3 +177,50 @@ def reduce_expert_gradients(module: nn.Module, expert_data_group: Optional[dist.
     flat /= data_ranks
     for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
         grad.copy_(piece.view_as(grad))
+
+
+def shard_experts_over_data(module: nn.Module, expert_data_mesh: Any, mp_policy: Optional[Any] = None) -> int:
+    """FSDP2 over the expert-data group for every :class:`ExpertParallel` in ``module`` (``expert_data_shard``).
+
+    Each rank's ``[E/ep, d, f]`` slices are cut again along their second dimension over the ranks holding the same
+    experts (the first is the expert axis's already; a second cut there would be a strided shard that checkpoints
+    and materialisation cannot name as one slice -- torchtitan's ``efsdp`` picks dim 1 for the same reason when
+    ``E`` is small). FSDP2 gathers them for each forward and backward and reduce-scatters their gradients, averaged
+    over the group; :func:`rescale_expert_gradients` then makes that average the module Note's sum over the group
+    divided by all data ranks (FSDP2's own ``set_gradient_divide_factor`` would say it in one place, but reduces
+    with ``PREMUL_SUM``, which gloo does not have).
+
+    Args:
+        module: the model, experts sharded over the expert axis already (before the dense FSDP2 units: FSDP2
+            wraps children first).
+        expert_data_mesh: the 1-D expert-data mesh (a child of the same root as the expert mesh).
+        mp_policy: FSDP2's mixed-precision policy of the run (None: full precision).
+
+    Returns:
+        How many expert modules were wrapped.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    wrapped = 0
+    for sub in module.modules():
+        if isinstance(sub, ExpertParallel) and any(True for _ in sub.parameters(recurse=False)):
+            fully_shard(sub, mesh=expert_data_mesh, reshard_after_forward=True,
+                        mp_policy=mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
+                        shard_placement_fn=lambda parameter: Shard(1))
+            wrapped += 1
+    return wrapped
+
+
+def rescale_expert_gradients(module: nn.Module, factor: float) -> None:
+    """Multiply every expert slice's (local) gradient by ``factor``: FSDP2's average over the ``G`` expert-data ranks
+    times ``G / D`` is the exact gradient of the module Note (experts sharded by :func:`shard_experts_over_data`).
+
+    Args:
+        module: the model, after backward.
+        factor: ``G / D`` (expert-data ranks over data ranks: ``1 / expert_parallel``).
+    """
+    with torch.no_grad():
+        for _, parameter in expert_parameters(module):
+            if parameter.grad is not None:
+                _local(parameter.grad).mul_(factor)

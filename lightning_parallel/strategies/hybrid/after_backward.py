@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Optional
 
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_parallel.layout import EXPERT_DATA
 from lightning_parallel.layout.meshes import RunMeshes
-from lightning_parallel.parallel.experts.sharded import reduce_expert_gradients
+from lightning_parallel.parallel.experts.sharded import reduce_expert_gradients, rescale_expert_gradients
 from lightning_parallel.strategies.hybrid.checkpoints import unwrap_optimizer
 from lightning_parallel.strategies.hybrid.expert_load_report import report_first_step_load
 
@@ -39,13 +40,18 @@ class ReduceExpertGradients(AfterBackward):
     Args:
         group: the expert-data group.
         data_context: data x context ranks (the gradients' divisor, as the data axis's average).
+        sharded: the experts are sharded over the expert-data group (``expert_data_shard``): FSDP2 reduced their
+            gradients during the backward, only the load report is left.
     """
 
-    def __init__(self, group: Any, data_context: int) -> None:
-        self.group, self.data_context = group, data_context
+    def __init__(self, group: Any, data_context: int, sharded: bool = False) -> None:
+        self.group, self.data_context, self.sharded = group, data_context, sharded
 
     def __call__(self, module: nn.Module, optimizer: Optimizer) -> None:
-        reduce_expert_gradients(module, self.group, self.data_context)
+        if self.sharded:  # FSDP2 averaged them over the expert-data group in the backward
+            rescale_expert_gradients(module, dist.get_world_size(self.group) / self.data_context)
+        else:
+            reduce_expert_gradients(module, self.group, self.data_context)
         report_first_step_load(module, self.group, module.trainer.global_step)
 
 
@@ -66,16 +72,21 @@ class CommitReplicas(AfterBackward):
         self.replicas.after_step()
 
 
-def after_backward_steps(meshes: RunMeshes, replicas: Optional[Any]) -> list[AfterBackward]:
+def after_backward_steps(meshes: RunMeshes, replicas: Optional[Any], expert_data_shard: bool = False
+                         ) -> list[AfterBackward]:
     """The run's after-backward work, in order (the module docstring); empty when a step needs none.
 
     Args:
         meshes: the run's meshes (its layout says whether experts are sharded).
         replicas: the replica groups, or None without fault tolerance.
+        expert_data_shard: ``ParallelOptions.expert_data_shard`` (FSDP2 reduces experts over more than one
+            expert-data rank).
     """
     steps: list[AfterBackward] = []
-    if meshes.layout.expert_parallel > 1:
-        steps.append(ReduceExpertGradients(meshes.group(EXPERT_DATA), meshes.layout.data_context))
+    layout = meshes.layout
+    if layout.expert_parallel > 1:
+        sharded = expert_data_shard and layout.data_context // layout.expert_parallel > 1
+        steps.append(ReduceExpertGradients(meshes.group(EXPERT_DATA), layout.data_context, sharded))
     if replicas is not None:
         steps.append(CommitReplicas(replicas))
     return steps

@@ -151,7 +151,8 @@ class HybridParallelStrategy(HybridRunViews, HybridCheckpointIO, ReduceWithoutBa
             self.parallelized = build_parallelized(self, self.lightning_module, trainer)
             self._parallelized_module = weakref.ref(self.lightning_module)
         self._executor = executors.choose_executor(self, self.parallelized)
-        self._after_backward = after_backward_steps(self.meshes, self.replica_groups)
+        self._after_backward = after_backward_steps(self.meshes, self.replica_groups,
+                                                    self.options.expert_data_shard)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.parallelized.replicated is not None and fitting:
             self.model = self.parallelized.replicated  # plain DDP: Lightning runs the steps through its forward

@@ -128,6 +128,7 @@ def _strategy(layout: str):
     sizes = dict(part.split("=") for part in layout.removeprefix("control:").split(","))
     extra = {"schedule": sizes.pop("schedule")} if "schedule" in sizes else {}
     extra.update({"activation_checkpointing": sizes.pop("ac")} if "ac" in sizes else {})
+    extra.update({"expert_data_shard": bool(int(sizes.pop("shard")))} if "shard" in sizes else {})
     kwargs = {**{f"{axis}_parallel_size": int(n) for axis, n in sizes.items()}, **extra}
     return (ExpertsNotReduced if control else HybridParallelStrategy)(**kwargs), kwargs.get("data_parallel_size", 1)
 
@@ -168,6 +169,9 @@ FOUR_PROCESS = {
     "mixtral+router/dp2xpp2/ep2": ("mixtral+router", "data=2,pipeline=2,expert=2,schedule=gpipe"),
     "qwen3_moe+router/dp2xpp2/ep2": ("qwen3_moe+router", "data=2,pipeline=2,expert=2,schedule=gpipe"),
     "control/qwen3_moe/dp4/ep2": ("qwen3_moe", "control:data=4,expert=2"),
+    # the experts sharded again over their 2 expert-data ranks (expert_data_shard): half the bytes, same losses
+    "mixtral/dp4/ep2/shard": ("mixtral", "data=4,expert=2,shard=1"),
+    "qwen3_moe+meta/dp4/ep2/shard": ("qwen3_moe+meta", "data=4,expert=2,shard=1"),
 }
 
 
@@ -199,7 +203,9 @@ def _check_parity(references: dict, per_rank: list[dict], case: str) -> float:
         assert result["meta"] == ("+meta" in case), f"{case} rank {rank}: built on meta {result['meta']}"
         if result["shards"]:  # a pipeline rank may hold no layer 0
             local, full = result["shards"]["experts.gate_up_proj"]
-            assert (local[0], full[0], local[1:]) == (EXPERTS // ep, EXPERTS, full[1:]), result["shards"]
+            cut = 2 if case.endswith("/shard") else 1  # dim 1 over the 2 expert-data ranks
+            wanted = (EXPERTS // ep, EXPERTS, full[1] // cut, full[2:])
+            assert (local[0], full[0], local[1], local[2:]) == wanted, result["shards"]
     assert ep == 1 or any(results[case]["shards"] for results in per_rank)
     print(f"{case}: max |loss - one process| {worst:.2e}")
     return worst

@@ -87,8 +87,10 @@ def test_expert_sizes_divide_data_x_context_and_the_experts() -> None:
     assert refused["dp4xpp1xtp1 ep4"] == ("experts do not split: expert_parallel_size=4 does not divide "
                                           "num_experts=6: use a size among [1, 2, 3, 6]")
     assert all(c.engine == "hybrid" for c in candidates if c.ep > 1)  # DeepSpeed shards no experts
-    assert {c.name for c in candidates if c.ep == 2 and c.dp == 4 and c.zero == 2} == {"dp4 ep2 zero2 b4",
-                                                                                        "dp4 ep2 zero2 u25 b4"}
+    assert {c.name for c in candidates if c.ep == 2 and c.dp == 4 and c.zero == 2} == {
+        "dp4 ep2 zero2 b4", "dp4 ep2 zero2 u25 b4",  # the experts whole on their 2 expert-data ranks
+        "dp4 ep2-shard zero2 b4", "dp4 ep2-shard zero2 u25 b4"}  # ... or sharded over them (expert_data_shard)
+    assert not any(c.expert_shard for c in candidates if c.dp * c.cp == c.ep)  # one expert-data rank: nothing to cut
     dense = replace(six, experts=None)
     assert all(c.ep == 1 for c in enumerate_layouts(dense, 4, work())[0])
     only = enumerate_layouts(six, 4, work(), SearchSpace(expert_sizes=(1,)))[0]
@@ -105,6 +107,9 @@ def test_experts_divide_by_the_expert_size_and_are_not_sharded_by_zero() -> None
         2 * 4 * (dense / 4 + experts / 4),)
     # ep = 2 over 4 replicas: two ranks hold the same two experts, and both keep all their states (not sharded).
     assert state_bytes(shape, base(zero=2, ep=2), [0])[0] == 4 * (dense / 4 + experts / 2)
+    # ... unless expert_data_shard cuts them again (dim 1) over those two: half the expert bytes, states included.
+    sharded = state_bytes(shape, base(zero=2, ep=2, expert_shard=True), [0])
+    assert sharded == (4 * (dense / 4 + experts / 4),) * 2 + (2 * 4 * (dense / 4 + experts / 4),)
     # FSDP2 gathers dense parameters only; an experts module is materialised whole before it is sliced.
     assert working_bytes(shape, base(ep=4), [0]) == 4 * dense
     assert working_bytes(shape, base(), [0]) == 4 * (dense + experts)
