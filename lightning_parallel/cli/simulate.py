@@ -1,10 +1,10 @@
 """``lp-simulate``: build every rank class of a layout in torch's fake world and say what each rank holds.
 
     lp-simulate experiment=nlp_gpt trainer.devices=4 strategy=hybrid strategy.zero_stage=3
-    lp-simulate model=hf_causal_lm +model.config_overrides.num_hidden_layers=80 ... \\
-        trainer.devices=8 trainer.num_nodes=512 strategy=hybrid strategy.pipeline_parallel_size=8 \\
-        strategy.tensor_parallel_size=8 strategy.context_parallel_size=2 strategy.zero_stage=3 \\
-        strategy.data_replicate_size=2 cluster=h100_cluster
+    lp-simulate experiment=nlp_gpt trainer.devices=8 trainer.num_nodes=512 strategy=hybrid \\
+        strategy.pipeline_parallel_size=4 strategy.tensor_parallel_size=4 strategy.zero_stage=3 \\
+        strategy.data_replicate_size=2 cluster=h100_cluster        # 4,096 ranks, 10 classes, 3 s
+    lp-simulate model=hf_causal_lm ...                             # a Llama-3-70B shape: docs/simulation.md
 
 The configuration is ``lp-train``'s (the same Hydra groups and overrides), checked by the same preflight: a layout
 ``lp-train`` refuses is refused here with the same message and exit code 2. Then the suite's real composition runs in
@@ -32,8 +32,11 @@ _UNIFIED_PRECISION = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lp-simulate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from lightning_parallel.cli.help_text import DOCS, plain
+
+    parser = argparse.ArgumentParser(prog="lp-simulate", description=plain(__doc__),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=f"Docs: docs/simulation.md.\nEverything: {DOCS}.")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for lp-train; cluster=<name> picks the "
                         "device memory to fit against")
     parser.add_argument("--cluster", default=None, help="a file of conf/cluster/ (without .yaml) or a YAML path "
