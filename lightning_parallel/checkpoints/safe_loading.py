@@ -40,7 +40,7 @@ from lightning_parallel._compat import dcp_metadata_path, dcp_set_element, load_
 TRUST_OPT_IN = "Trainer.fit(..., weights_only=False) or the reader's weights_only=False, or lp-convert --trust-source"
 # What DeepSpeed 0.19.8 pickles into a checkpoint beyond tensors and plain values: the ZeRO optimizer shards'
 # stage, loss scaler and fragment addresses (seen in the folders Lightning's DeepSpeed strategy writes at ZeRO 0-3,
-# fp32 and bf16-mixed, AdamW and SGD; the model-state files hold none). DynamicLossScaler is what fp16 saves there.
+# fp32, bf16-mixed and bf16-true, AdamW and SGD; the model-state files hold none). fp16 saves a DynamicLossScaler.
 DEEPSPEED_GLOBALS = (
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
