@@ -60,14 +60,20 @@ class Meetings(Callback):
             return send(tensor, *args, **kwargs)
 
         manager.allreduce = counted
+        if trainer.global_step > 0:  # a restarted group: it healed at the others' meeting and joined its average
+            self._snapshot(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.steps += 1
         outer = trainer.strategy.replica_groups.outer
         if outer is not None and outer.fragment_at(trainer.global_step) is not None:
-            self.snapshots.append({"step": trainer.global_step, "outer": copy.deepcopy(outer.state_dict()),
-                                   "local": {k: v.clone() for k, v in module_state(pl_module).items()},
-                                   "committed": outer.meetings[-1]["committed"]})
+            self._snapshot(trainer, pl_module)
+
+    def _snapshot(self, trainer: Any, pl_module: Any) -> None:
+        outer = trainer.strategy.replica_groups.outer
+        self.snapshots.append({"step": trainer.global_step, "outer": copy.deepcopy(outer.state_dict()),
+                               "local": {k: v.clone() for k, v in module_state(pl_module).items()},
+                               "committed": outer.meetings[-1]["committed"]})
 
 
 def ddp_bytes_per_step(module: torch.nn.Module) -> int:
