@@ -13,6 +13,7 @@ the console; the launcher prints it once (a rank that fails alone), or rank 0 pr
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +24,9 @@ _KEY_LIST = re.compile(r'^(\s*(?:Missing|Unexpected) key\(s\) in state_dict: )(.
 _QUOTED = re.compile(r'"[^"]*"')
 MAX_ITEMS = 4  # entries shown of each list (the rest counted)
 MAX_LINES = 8  # lines of one message on the console
+# What a rank sees when another rank died: the consequence, not the cause (gloo, NCCL, a closed store).
+_PEER_GONE = re.compile(r"gloo|nccl|Connection (closed|reset)|remote worker|Broken pipe|DistBackendError|"
+                        r"DistNetworkError|TCPStore|ProcessGroup", re.I)
 
 
 def _next_cause(error: BaseException) -> Optional[BaseException]:
@@ -116,3 +120,37 @@ def read_rank_error(run_dir: Path, rank: int) -> Optional[str]:
         return rank_error_file(run_dir, rank).read_text().strip() or None
     except OSError:
         return None
+
+
+class RankError(RuntimeError):
+    """Another rank's error, shown instead of rank 0's own when rank 0 only saw that rank leave.
+
+    Args:
+        rank: the global rank that failed first.
+        line: the error line it left (:func:`rank_error_file`).
+    """
+
+    def __init__(self, rank: int, line: str) -> None:
+        super().__init__(line)
+        self.rank = rank
+        self.line = line
+
+
+def earlier_rank_error(run_dir: Path, ranks: Iterable[int], failed_at: float,
+                       error: BaseException) -> Optional[RankError]:
+    """The error of a child rank that failed before rank 0 did, or whose leaving rank 0's error reports (None:
+    rank 0's own error is the cause).
+
+    Args:
+        run_dir: the run folder.
+        ranks: the child ranks.
+        failed_at: when rank 0's error reached the launcher (``time.time()``).
+        error: rank 0's error.
+    """
+    peer_gone = bool(_PEER_GONE.search(f"{type(error).__name__} {error}"))
+    for rank in ranks:
+        path = rank_error_file(run_dir, rank)
+        line = read_rank_error(run_dir, rank)
+        if line is not None and (peer_gone or path.stat().st_mtime <= failed_at):
+            return RankError(rank, line)
+    return None

@@ -28,7 +28,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_parallel.cli.errors import read_rank_error
+from lightning_parallel.cli.errors import earlier_rank_error, read_rank_error
 from lightning_parallel.cli.run_folder import ENV_CONFIG_SHA, ENV_RUN_ID, verify_rank_config, write_rank_config
 from lightning_parallel.runtime import signals
 from lightning_parallel.runtime.ports import free_port
@@ -170,10 +170,14 @@ def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int, run_id: str) -> Ite
     watcher.start()
     try:
         yield
-    except BaseException:
+    except BaseException as error:
+        failed_at = time.time()
         watcher.stopped.set()
         # Rank 0 failed: the others wait in a collective for it; a short grace, then kill.
         _stop_children(children, timeout=3.0)
+        cause = earlier_rank_error(run_dir, range(1, nprocs), failed_at, error)
+        if cause is not None:  # rank 0 only saw a peer leave: the peer's error is the one to show
+            raise cause from error
         raise
     finally:
         watcher.stopped.set()

@@ -208,7 +208,7 @@ def _multirun() -> bool:
 
 def _report_failure(error: BaseException, cfg: DictConfig) -> float:
     """One short line for an error (the traceback goes to the run's log file); in a multirun the job's row."""
-    from lightning_parallel.cli.errors import error_line, rank_error_file
+    from lightning_parallel.cli.errors import RankError, error_line, rank_error_file
     from lightning_parallel.cli.run_start import log_traceback
 
     log = log_traceback(error)
@@ -217,6 +217,9 @@ def _report_failure(error: BaseException, cfg: DictConfig) -> float:
         record_failure(Path(cfg.paths.output_dir), error)
         print(f"lp-train: job failed: {line} (full traceback: {log})", file=sys.stderr, flush=True)
         return float("nan")  # the sweep goes on; the summary gets a failure row
+    if isinstance(error, RankError):  # another rank failed first; rank 0 only saw it leave (cli/launch.py)
+        print(f"lp-train: error (rank {error.rank}): {error.line}", file=sys.stderr, flush=True)
+        sys.exit(1)
     if isinstance(error, ConfigError):
         if os.environ.get("RANK", "0") == "0":  # refused before any rank started: no run folder is left behind
             discard_refused_folder(Path(cfg.paths.output_dir))

@@ -162,3 +162,24 @@ def test_through_the_command_a_mistake_exits_2_in_one_line_before_any_rank_and_l
         for started in ("Initializing distributed", "Seed set", "Traceback", "Error in call to target"):
             assert started not in output, f"{name}: {started!r}\n{output[-3000:]}"
     assert not list(tmp_path.glob("outputs/*/*")), "a refused run left a run folder"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("ranks", ["[0,1]", "[1]"], ids=["every rank fails", "rank 1 alone fails"])
+def test_an_error_only_a_running_rank_meets_is_shown_once_as_its_root_cause(ranks, tmp_path):
+    from tests.integration.failing_model import CAUSE
+
+    command = [str(Path(sys.executable).parent / "lp-train"), *TINY, "trainer.devices=2", "trainer.max_steps=2",
+               "model._target_=tests.integration.failing_model.FailingGPT", f"+model.fail_on_ranks={ranks}"]
+    env = {**entry_point_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # the ranks import the model
+    done = subprocess.run(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300)
+    output = done.stdout
+    assert done.returncode != 0, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("lp-train: error")]
+    assert len(errors) == 1, output[-3000:]  # once, not once per rank
+    assert errors[0].endswith(f"ValueError: {CAUSE}"), errors  # the cause, not Hydra's wrapper
+    assert "Error in call to target" not in output and "Traceback" not in output, output[-3000:]
+    logs = list(tmp_path.glob("outputs/*/*/train.log")) + list(tmp_path.glob("outputs/*/*/rank1.log"))
+    assert any("Error in call to target" in log.read_text() for log in logs)  # the full traceback stays in the log

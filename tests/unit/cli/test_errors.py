@@ -66,3 +66,19 @@ def test_a_child_ranks_error_line_is_read_back_by_the_launcher(tmp_path):
     rank_error_file(tmp_path, 1).parent.mkdir()
     rank_error_file(tmp_path, 1).write_text("ValueError: bad\n")
     assert read_rank_error(tmp_path, 1) == "ValueError: bad"
+
+
+def test_a_child_error_replaces_rank_zeros_when_rank_zero_only_saw_the_peer_leave(tmp_path):
+    import time
+
+    from lightning_parallel.cli.errors import earlier_rank_error
+
+    rank_error_file(tmp_path, 1).parent.mkdir()
+    rank_error_file(tmp_path, 1).write_text("ValueError: the cause\n")
+    gone = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    found = earlier_rank_error(tmp_path, [1], time.time() - 60, gone)  # written later, but rank 0 saw a peer leave
+    assert (found.rank, found.line) == (1, "ValueError: the cause")
+    own = ValueError("rank 0's own mistake")
+    assert earlier_rank_error(tmp_path, [1], time.time() - 60, own) is None  # the child failed after rank 0
+    assert earlier_rank_error(tmp_path, [1], time.time() + 60, own).line == "ValueError: the cause"  # before
+    assert earlier_rank_error(tmp_path, [2], time.time(), gone) is None  # no child left an error
