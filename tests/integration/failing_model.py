@@ -3,7 +3,6 @@ the console's error line: root cause, once per run; test_user_mistakes.py)."""
 
 import torch.distributed as dist
 from hydra.errors import InstantiationException
-
 from lightning_parallel.examples.nlp.model import GPT
 
 CAUSE = "the real cause: set data.something=1"
