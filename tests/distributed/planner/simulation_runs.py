@@ -24,11 +24,25 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "dp2 x tp2 zero3": ({"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3}, {}),
     "pp2 x tp2": ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "data_parallel_size": 1,
                    "microbatches": 2}, {}),
+    "dp2 x pp2 interleaved_1f1b": ({"data_parallel_size": 2, "pipeline_parallel_size": 2, "stages_per_rank": 2,
+                                    "schedule": "interleaved_1f1b", "microbatches": 2}, {}),
+    "dp2 x pp2 zbv": ({"data_parallel_size": 2, "pipeline_parallel_size": 2, "stages_per_rank": 2,
+                             "schedule": "zbv", "microbatches": 2}, {}),
     "dp2 x cp2 zero2": ({"data_parallel_size": 2, "context_parallel_size": 2, "zero_stage": 2}, {}),
     "dp4 ep2 zero0": ({"data_parallel_size": 4, "expert_parallel_size": 2}, {"moe": MOE}),
     "dp2 x cp2 ep4 zero3": ({"data_parallel_size": 2, "context_parallel_size": 2, "expert_parallel_size": 4,
                              "zero_stage": 3}, {"moe": MOE}),
 }
+
+
+# Where the simulation and a real run differ, a bug of the real run: under the ZBV zero-bubble schedule with FSDP2
+# ZeRO 3 the last stage's parameters (head.*, on ranks 0 and 2 by the V placement) have no gradient after the first
+# optimizer step, so AdamW creates no state for them (the step skipped them); with ZeRO 0 they have one.
+REAL_RUN_BUGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "dp2 x pp2 zbv zero3": ({"data_parallel_size": 2, "pipeline_parallel_size": 2, "stages_per_rank": 2,
+                             "schedule": "zbv", "microbatches": 2, "zero_stage": 3}, {}),
+}
+LAYOUTS_AND_BUGS = {**LAYOUTS, **REAL_RUN_BUGS}
 
 
 def gpt(**overrides: Any) -> pl.LightningModule:
@@ -75,7 +89,7 @@ def measure_layouts(rank: int, world_size: int, names: list[str]) -> dict[str, d
 
     out = {}
     for name in names:
-        options, model_overrides = LAYOUTS[name]
+        options, model_overrides = LAYOUTS_AND_BUGS[name]
         pl.seed_everything(0)
         recorder = AfterFirstStep()
         strategy = HybridParallelStrategy(**{"pipeline_parallel_size": 1, "tensor_parallel_size": 1, **options})
@@ -92,6 +106,6 @@ def simulated(name: str) -> Any:
     from lightning_parallel.parallel.options import ParallelOptions
     from lightning_parallel.planner import simulate
 
-    options, model_overrides = LAYOUTS[name]
+    options, model_overrides = LAYOUTS_AND_BUGS[name]
     full = {"pipeline_parallel_size": 1, "tensor_parallel_size": 1, **options}
     return simulate(partial(gpt, **model_overrides), ParallelOptions(**full), WORLD)
