@@ -97,7 +97,8 @@ def _load_single_file(
     for index, state in enumerate(checkpoint.pop("optimizer_states", []) if optimizers else []):
         entries.update({f"optimizer_{index}.{k}": v for k, v in state.items()})
     checkpoint.pop("optimizer_states", None)
-    load_model_and_optimizers(module, optimizers, lambda: InMemoryReader(entries), strict)
+    trusted = weights_only is False  # the file was read with weights_only=False: its entries are the user's to trust
+    load_model_and_optimizers(module, optimizers, lambda: InMemoryReader(entries), strict, trusted=trusted)
     return checkpoint
 
 

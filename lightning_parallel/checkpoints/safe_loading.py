@@ -117,16 +117,26 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, reading non-tensor entries with ``weights_only=True``.
+    """DCP's load planner, reading non-tensor entries with ``weights_only=True`` (OmegaConf containers admitted).
+
+    Args:
+        trusted: read them with ``weights_only=False``: only for entries served from memory out of a file the
+            user trusts (a Lightning single file read with ``weights_only=False``), never a folder's.
+        **kwargs: ``DefaultLoadPlanner``'s.
 
     Note:
         The default planner loads byte entries (learning rates, flags of optimizer param
         groups) with ``torch.load(weights_only=False)``.
     """
 
+    def __init__(self, trusted: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.trusted = trusted
+
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         try:
-            loaded = torch.load(value, weights_only=True)
+            with safe_globals():  # a param group's setting as Hydra gave it (betas as a ListConfig)
+                loaded = torch.load(value, weights_only=not self.trusted)
         except pickle.UnpicklingError as error:
             raise CheckpointRefused(
                 f"Refusing checkpoint entry {read_item.dest_index.fqn!r}: it holds more than tensors and plain values "

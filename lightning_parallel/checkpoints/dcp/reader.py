@@ -105,6 +105,7 @@ def load_model_and_optimizers(
     strict: bool = True,
     model_key: str = "state_dict",
     param_groups: Optional[dict[str, dict[str, Any]]] = None,
+    trusted: bool = False,
 ) -> None:
     """Reshard model and optimizer state from any DCP storage reader onto this rank's layout (collective).
 
@@ -116,6 +117,8 @@ def load_model_and_optimizers(
         model_key: the storage's prefix of the weights (``state_dict``; ``model`` for FSDPStrategy).
         param_groups: per optimizer key, ``param_groups.<name>.<setting>`` values given in memory
             instead of read from storage (Lightning's nested groups).
+        trusted: the reader serves a file the user trusts from memory: its non-tensor entries are not
+            checked again (see :class:`~lightning_parallel.checkpoints.safe_loading.SafeLoadPlanner`).
 
     Raises:
         ValueError: the checkpoint lacks weights or optimizer state the live objects need, holds
@@ -132,7 +135,7 @@ def load_model_and_optimizers(
     stored = open_reader().read_metadata().state_dict_metadata
     weights = get_model_state_dict(module)
     to_read = check_entries(model_key, weights, stored, strict)
-    load({model_key: to_read}, storage_reader=open_reader(), planner=SafeLoadPlanner())
+    load({model_key: to_read}, storage_reader=open_reader(), planner=SafeLoadPlanner(trusted))
     weights.update(to_read)
     set_model_state_dict(module, weights, options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
@@ -140,7 +143,7 @@ def load_model_and_optimizers(
         expected = optimizer_state_dict(module, optimizer)
         given = (param_groups or {}).get(key)
         to_read = check_entries(key, expected, stored, True, given)
-        load({key: to_read}, storage_reader=open_reader(), planner=SafeLoadPlanner())
+        load({key: to_read}, storage_reader=open_reader(), planner=SafeLoadPlanner(trusted))
         expected.update(to_read)
         check_group_agreement(module, optimizer, expected)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=expected,

@@ -273,6 +273,35 @@ def test_trusted_sources_load_when_the_user_opts_in(tmp_path, capsys):
     torch.testing.assert_close(module.state_dict(), trained_module()[0].state_dict(), rtol=0, atol=0)
 
 
+def test_a_trusted_single_file_resumes_with_objects_in_its_param_groups(tmp_path):
+    """weights_only=False reaches the entries a single file's optimizer state is served from."""
+    module, optim = trained_module()
+    state = optim.state_dict()
+    state["param_groups"][0]["schedule"] = fractions.Fraction(1, 3)
+    torch.save({**LIGHTNING_STATE, "state_dict": module.state_dict(), "optimizer_states": [state]},
+               tmp_path / "single.ckpt")
+    fresh, fresh_optim = _fresh()
+    fresh_optim.param_groups[0]["schedule"] = None
+    with pytest.raises(CheckpointRefused, match=OPT_IN):
+        resume_from(tmp_path / "single.ckpt", fresh, [fresh_optim])
+    resume_from(tmp_path / "single.ckpt", fresh, [fresh_optim], weights_only=False)
+    assert fresh_optim.param_groups[0]["schedule"] == fractions.Fraction(1, 3)
+
+
+def test_param_group_settings_hydra_gave_as_containers_load_by_default(tmp_path):
+    from omegaconf import OmegaConf
+
+    module, optim = trained_module()
+    flat = optimizer_state_dict(module, optim)
+    for key in [key for key in flat if key.endswith(".betas")]:  # one entry per parameter of the group
+        flat[key] = OmegaConf.create([0.9, 0.95])  # AdamW(betas=cfg.betas) keeps the ListConfig
+    path = save_on_one_process(tmp_path / "dcp.ckpt", {"state_dict": module.state_dict(), "optimizer_0": flat},
+                               dict(LIGHTNING_STATE))
+    fresh, fresh_optim = _fresh()
+    load_sharded_checkpoint(path, fresh, [fresh_optim])
+    assert list(fresh_optim.param_groups[0]["betas"]) == [0.9, 0.95]
+
+
 def test_the_deepspeed_classes_real_zero_folders_hold_pass_and_nothing_else(tmp_path):
     """What ZeRO 1-3 optimizer shards hold (DeepSpeed 0.19.8) loads through the allow-list; a payload does not."""
     pytest.importorskip("deepspeed")
