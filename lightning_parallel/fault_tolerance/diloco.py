@@ -80,6 +80,8 @@ class OuterSync:
         self.outer = torch.optim.SGD(self.originals, lr=options.outer_lr, momentum=options.outer_momentum,
                                      nesterov=options.outer_nesterov)
         self.exchange = _EXCHANGE[options.exchange]
+        self.delay, self.mix = options.sync_delay, float(options.fragment_mix)
+        self._pending: Optional[tuple] = None  # an exchange in flight: start() to finish()
         self.meetings: list[dict[str, Any]] = []  # (step, fragment, bytes sent, committed): what tests count
 
     def fragment_at(self, step: int) -> Optional[int]:
@@ -118,24 +120,24 @@ class OuterSync:
             mine.copy_(theirs)
         self.outer.load_state_dict(state["outer"])
 
+    def starts_at(self, step: int) -> bool:
+        """Whether a meeting's exchange starts after ``step`` steps (``sync_delay`` steps before its meeting)."""
+        return self.fragment_at(step + self.delay) is not None
+
     @torch.no_grad()
-    def meet(self, manager: Any, step: int, contributes: bool) -> bool:
-        """One meeting: average this fragment's pseudo-gradients over the groups, step it with the outer optimizer.
+    def start(self, manager: Any, step: int, contributes: bool) -> None:
+        """Take the next meeting's pseudo-gradients and start their sum across groups (waited in :meth:`finish`).
 
         Args:
             manager: the torchft manager (this meeting's quorum taken).
-            step: steps taken (:meth:`fragment_at` says which fragment meets).
+            step: steps taken; the meeting is ``sync_delay`` steps later (:meth:`fragment_at` says which fragment).
             contributes: False for a group healed at this meeting's quorum (it sends zeros and is not counted).
-
-        Returns:
-            Whether the meeting committed; if not, every group keeps its parameters and the last-meeting ones.
         """
         from torch.distributed import ReduceOp
 
-        fragment = self.fragment_at(step)
+        fragment = self.fragment_at(step + self.delay)
         idx = self.fragments[fragment]
-        shards = [local(self.params[i].data) for i in idx]
-        drift = [self.originals[i] - shard for i, shard in zip(idx, shards)]  # torchft's sign: a gradient
+        drift = [self.originals[i] - local(self.params[i].data) for i in idx]  # torchft's sign: a gradient
         buffers = flatten_by_dtype(drift)
         sent = {dtype: flat if self.exchange is None or not flat.is_floating_point() else flat.to(self.exchange)
                 for dtype, (_, flat) in buffers.items()}
@@ -143,11 +145,26 @@ class OuterSync:
         works = [manager.allreduce(count, reduce_op=ReduceOp.SUM)]
         works += [manager.allreduce(buffer.zero_() if not contributes else buffer, reduce_op=ReduceOp.SUM)
                   for buffer in sent.values()]
+        self._pending = (fragment, idx, drift, buffers, sent, count, works)
+        self.meetings.append({"step": step + self.delay, "started": step, "fragment": fragment, "committed": False,
+                              "bytes": sum(t.numel() * t.element_size() for t in (count, *sent.values()))})
+
+    @torch.no_grad()
+    def finish(self, manager: Any) -> bool:
+        """The meeting: wait for the sum, vote, and step the fragment with the outer optimizer.
+
+        Args:
+            manager: the torchft manager.
+
+        Returns:
+            Whether the meeting committed; if not, every group keeps its parameters and the last-meeting ones.
+        """
+        fragment, idx, drift, buffers, sent, count, works = self._pending
+        self._pending = None
         for work in works:
             work.wait()
         committed = bool(manager.should_commit()) and float(count) >= 1
-        self.meetings.append({"step": step, "fragment": fragment, "committed": committed,
-                              "bytes": sum(t.numel() * t.element_size() for t in (count, *sent.values()))})
+        self.meetings[-1]["committed"] = committed
         if not committed:
             return False
         for dtype, (positions, flat) in buffers.items():
@@ -156,6 +173,12 @@ class OuterSync:
                 self.originals[idx[j]].grad = piece
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
-        for i, shard in zip(idx, shards):
-            shard.copy_(self.originals[i])  # every group continues from the new global parameters
+        for i in idx:  # every group continues from the new global parameters (mixed with its own, if asked)
+            shard = local(self.params[i].data)
+            shard.lerp_(self.originals[i], 1 - self.mix) if self.mix else shard.copy_(self.originals[i])
         return True
+
+    @property
+    def pending(self) -> bool:
+        """Whether an exchange is in flight (started, its meeting not yet reached)."""
+        return self._pending is not None

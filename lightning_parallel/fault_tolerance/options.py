@@ -47,6 +47,13 @@ class FaultTolerance:
         fragments: how many fragments ``streaming_diloco`` splits each rank's parameters into.
         exchange: the dtype the pseudo-gradients travel in across groups: ``fp32``, or ``bf16`` (half the bytes;
             ``diloco`` modes).
+        sync_delay: steps a meeting's exchange overlaps with inner training (``diloco`` modes; torchft's
+            ``fragment_sync_delay``, the Streaming DiLoCo paper's tau): the pseudo-gradient is taken and its
+            all-reduce started ``sync_delay`` steps before the meeting step, where the outer step lands. Shorter than
+            the steps between two meetings.
+        fragment_mix: at the meeting, the parameters become ``(1 - fragment_mix) * global + fragment_mix * local``
+            (torchft's ``fragment_update_alpha``): 0 takes the outer step's result alone, dropping the
+            ``sync_delay`` steps trained meanwhile; the paper mixes with 0.5.
         lr_rule: how the learning rate follows the number of replica groups in a step (``linear``:
             proportional, ``sqrt``, ``none``), as :mod:`lightning_parallel.scaling` rescales for a data-parallel size.
         timeout: seconds for a cross-replica collective, a commit vote or a recovery transfer.
@@ -73,6 +80,8 @@ class FaultTolerance:
     outer_nesterov: bool = True
     fragments: int = 2
     exchange: str = "fp32"
+    sync_delay: int = 0
+    fragment_mix: float = 0.0
     lr_rule: str = "linear"
     timeout: float = 60.0
     quorum_timeout: float = 120.0
@@ -118,6 +127,13 @@ class FaultTolerance:
             raise ValueError(f"fault_tolerance.mode=streaming_diloco: fragments={self.fragments} must be at least 2 "
                              f"and divide sync_every={self.sync_every} (one fragment meets every sync_every / "
                              f"fragments steps); or use mode=diloco for the whole model at once.")
+        between = self.sync_every // (self.fragments if self.mode == "streaming_diloco" else 1)
+        if isinstance(self.sync_delay, bool) or not isinstance(self.sync_delay, int) or \
+                not 0 <= self.sync_delay < between:
+            raise ValueError(f"fault_tolerance.sync_delay={self.sync_delay!r} must be an integer in [0, {between}): "
+                             f"an exchange must land before the next meeting's starts.")
+        if not isinstance(self.fragment_mix, (int, float)) or not 0 <= self.fragment_mix <= 1:
+            raise ValueError(f"fault_tolerance.fragment_mix={self.fragment_mix!r} must lie in [0, 1].")
 
     @classmethod
     def from_config(cls, value: Any) -> Optional[FaultTolerance]:

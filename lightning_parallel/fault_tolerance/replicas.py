@@ -205,7 +205,9 @@ class ReplicaGroups:
         takes is the next step's."""
         trainer = self._trainer
         step = int(trainer.global_step) + 1  # Lightning counts this step after we return
-        if (step % self.options.sync_every if self.outer is None else self.outer.fragment_at(step) is None):
+        if self.outer is not None and self.outer.pending and self.outer.fragment_at(step) is not None:
+            self._note_commit(self.outer.finish(self.manager), step)  # an overlapped exchange lands (sync_delay)
+        if (step % self.options.sync_every if self.outer is None else not self.outer.starts_at(step)):
             return
         last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch  # the next batch opens the next epoch
         epoch, batch = int(trainer.current_epoch), self._position["batch"] + 1
@@ -214,13 +216,18 @@ class ReplicaGroups:
         self._sync_parameters(contributes=True, step=step)
 
     def _sync_parameters(self, contributes: bool, step: int) -> None:
-        if self.outer is not None:  # diloco: the meeting fragment's outer step
-            self._committed = self.outer.meet(self.manager, step, contributes)
-        else:
-            module = self._module if self._module is not None else self._trainer.lightning_module
-            params = [p for p in module.parameters() if p.requires_grad]
-            self._committed = average_parameters(self.manager, params, contributes)
-        if not self._committed:
+        if self.outer is not None:  # diloco: the exchange starts; the outer step lands now or sync_delay steps later
+            self.outer.start(self.manager, step, contributes)
+            if not self.options.sync_delay:
+                self._note_commit(self.outer.finish(self.manager), step)
+            return
+        module = self._module if self._module is not None else self._trainer.lightning_module
+        params = [p for p in module.parameters() if p.requires_grad]
+        self._note_commit(average_parameters(self.manager, params, contributes), step)
+
+    def _note_commit(self, committed: bool, step: int) -> None:
+        self._committed = committed
+        if not committed:
             self.failed_commits += 1
             self._say(f"the meeting at step {step} did not commit; every group keeps its own parameters until the "
                       f"next one")

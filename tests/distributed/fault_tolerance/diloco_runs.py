@@ -107,9 +107,10 @@ def diloco_rank(rank: int, world_size: int, layout: str, steps: int, faults: tup
 
 def diloco_reference(records_by_group: list[list[dict[str, Any]]], ft: dict, fragments: list[list[str]],
                      ) -> dict[int, list[dict[str, torch.Tensor]]]:
-    """DiLoCo in one process: every group's model steps AdamW on its own recorded batches; at each meeting the
-    meeting fragment's pseudo-gradients (last-meeting parameters - parameters now) are averaged over the groups,
-    an outer SGD (Nesterov) steps the last-meeting parameters with it and every group continues from them.
+    """DiLoCo in one process: every group's model steps AdamW on its own recorded batches; ``sync_delay`` steps
+    before each meeting the meeting fragment's pseudo-gradients (last-meeting parameters - parameters then) are
+    averaged over the groups; at the meeting an outer SGD (Nesterov) steps the last-meeting parameters with that
+    average and every group continues from them (mixed with its own by ``fragment_mix``).
 
     Args:
         records_by_group: each group's recorded batches, step by step.
@@ -125,33 +126,46 @@ def diloco_reference(records_by_group: list[list[dict[str, Any]]], ft: dict, fra
         pl.seed_everything(0, verbose=False)
         models.append(ResidualMLP(width=WIDTH, depth=DEPTH, optimizer="adamw"))
         inner.append(models[-1].configure_optimizers())
-    names = [n for n, _ in models[0].named_parameters()]
     originals = {n: p.detach().clone() for n, p in models[0].named_parameters()}
     outer = torch.optim.SGD(list(originals.values()), lr=ft.get("outer_lr", 0.7),
                             momentum=ft.get("outer_momentum", 0.9), nesterov=ft.get("outer_nesterov", True))
-    interval = ft["sync_every"] // len(fragments)
-    snapshots = {}
-    for step in range(len(records_by_group[0])):
+    interval, delay = ft["sync_every"] // len(fragments), ft.get("sync_delay", 0)
+    snapshots, pending = {}, {}
+    for step in range(1, len(records_by_group[0]) + 1):
         for model, optimizer, records in zip(models, inner, records_by_group):
-            inputs, targets = records[step]["batch"]
+            inputs, targets = records[step - 1]["batch"]
             optimizer.zero_grad()
             F.mse_loss(model(inputs), targets).backward()
             optimizer.step()
-        if (step + 1) % interval:
-            continue
-        meeting = set(fragments[((step + 1) // interval - 1) % len(fragments)])
-        with torch.no_grad():
-            for name in names:
-                if name in meeting:
-                    drifts = [originals[name] - dict(m.named_parameters())[name] for m in models]
-                    if ft.get("exchange") == "bf16":  # gloo sums the bf16 buffers
-                        drifts = [d.to(torch.bfloat16) for d in drifts]
-                    originals[name].grad = sum(drifts[1:], drifts[0]).float() / len(models)
-            outer.step()
-            outer.zero_grad(set_to_none=True)
-            for model in models:
-                for name, p in model.named_parameters():
-                    if name in meeting:
-                        p.copy_(originals[name])
-        snapshots[step + 1] = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
+        if (step + delay) % interval == 0:  # the exchange starts
+            meeting = fragments[((step + delay) // interval - 1) % len(fragments)]
+            pending = _mean_drift(models, originals, meeting, ft.get("exchange"))
+        if step % interval == 0:  # the meeting
+            _outer_step(models, originals, outer, pending, ft.get("fragment_mix", 0.0))
+            snapshots[step] = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
     return snapshots
+
+
+@torch.no_grad()
+def _mean_drift(models: list[torch.nn.Module], originals: dict[str, torch.Tensor], names: list[str],
+                exchange: Any) -> dict[str, torch.Tensor]:
+    out = {}
+    for name in names:
+        drifts = [originals[name] - dict(m.named_parameters())[name] for m in models]
+        if exchange == "bf16":  # gloo sums the bf16 buffers
+            drifts = [d.to(torch.bfloat16) for d in drifts]
+        out[name] = sum(drifts[1:], drifts[0]).float() / len(models)
+    return out
+
+
+@torch.no_grad()
+def _outer_step(models: list[torch.nn.Module], originals: dict[str, torch.Tensor], outer: torch.optim.Optimizer,
+                mean_drift: dict[str, torch.Tensor], mix: float) -> None:
+    for name, drift in mean_drift.items():
+        originals[name].grad = drift
+    outer.step()
+    outer.zero_grad(set_to_none=True)
+    for model in models:
+        for name, p in model.named_parameters():
+            if name in mean_drift:
+                p.lerp_(originals[name], 1 - mix) if mix else p.copy_(originals[name])

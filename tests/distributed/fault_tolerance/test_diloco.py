@@ -89,16 +89,21 @@ def test_a_killed_group_rejoins_diloco_identical_to_the_survivor(tmp_path: Path)
           f"{len(rejoined[0]['snapshots'])} meetings")
 
 
-@pytest.mark.parametrize("exchange", ["fp32", pytest.param("bf16", marks=pytest.mark.extended)])
-def test_streaming_diloco_fragments_meet_at_staggered_steps_as_the_replay(exchange: str, tmp_path: Path) -> None:
-    ft = {**FT, "mode": "streaming_diloco", "sync_every": 10, "fragments": 2, "exchange": exchange}
+@pytest.mark.parametrize(("exchange", "delay"), [("fp32", 0), pytest.param("bf16", 0, marks=pytest.mark.extended),
+                                                  pytest.param("fp32", 2, marks=pytest.mark.extended)],
+                         ids=["fp32", "bf16", "fp32, overlapped 2 steps"])
+def test_streaming_diloco_fragments_meet_at_staggered_steps_as_the_replay(exchange: str, delay: int,
+                                                                          tmp_path: Path) -> None:
+    ft = {**FT, "mode": "streaming_diloco", "sync_every": 10, "fragments": 2, "exchange": exchange,
+          "sync_delay": delay, "fragment_mix": 0.5 if delay else 0.0}
     result = run_replica_groups(diloco_rank, 2, 2, "pipeline 2", STEPS, (), ft, str(tmp_path), timeout=400)
     ratios = []
     for out in result.outputs[0] + result.outputs[1]:
-        assert [(m["step"], m["fragment"]) for m in out["meetings"]] == [(5, 0), (10, 1), (15, 0), (20, 1)]
+        assert [(m["started"], m["step"], m["fragment"]) for m in out["meetings"]] == [
+            (5 - delay, 5, 0), (10 - delay, 10, 1), (15 - delay, 15, 0), (20 - delay, 20, 1)]
         ratios.append(out["bytes"] / out["steps"] / out["ddp_bytes_per_step"])
     gap = _replay_gap(result, ft, tmp_path)
-    print(f"streaming diloco ({exchange}) replay: max difference {gap:.2e}; cross-group bytes per step / ddp's: "
+    print(f"streaming diloco ({exchange}, sync_delay {delay}) replay: max difference {gap:.2e}; cross-group bytes per step / ddp's: "
           f"{', '.join(f'{r:.4f}' for r in ratios)}")
     # Every fragment meets once per sync_every=10 steps: the whole model every 10 steps, in half the bytes in bf16.
     assert all(abs(r - (1 / 10 if exchange == "fp32" else 1 / 20)) < 0.005 for r in ratios), ratios

@@ -65,7 +65,9 @@ def _meet_both(syncs: list[OuterSync], hub: _Hub, step: int, contributes=(True, 
     results = [None, None]
 
     def run(g: int) -> None:
-        results[g] = syncs[g].meet(hub.manager(g), step, contributes[g])
+        manager = hub.manager(g)
+        syncs[g].start(manager, step - syncs[g].delay, contributes[g])
+        results[g] = syncs[g].finish(manager)
 
     threads = [threading.Thread(target=run, args=(g,)) for g in range(2)]
     for t in threads:
@@ -160,6 +162,35 @@ def test_bf16_exchange_sends_half_the_bytes_and_lands_near_fp32() -> None:
     assert 0 < gap < 1e-2
 
 
+def test_an_overlapped_exchange_lands_mixed_with_the_steps_trained_meanwhile() -> None:
+    options = FaultTolerance(mode="diloco", sync_every=5, sync_delay=2, fragment_mix=0.5)
+    models, syncs = _groups(options)
+    assert [s for s in range(1, 11) if syncs[0].starts_at(s)] == [3, 8]
+    start = [p.detach().clone() for p in _model().parameters()]
+    drifted = [[p.detach().clone() for p in m.parameters()] for m in models]
+    hub, managers = _Hub(), [None, None]
+
+    def begin(g: int) -> None:
+        managers[g] = hub.manager(g)
+        syncs[g].start(managers[g], 3, True)
+
+    threads = [threading.Thread(target=begin, args=(g,)) for g in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert syncs[0].pending
+    with torch.no_grad():  # two more inner steps while the exchange is in flight
+        for p in models[0].parameters():
+            p.add_(0.01)
+    assert syncs[0].finish(managers[0]) and not syncs[0].pending
+    for p, p0, d0, d1 in zip(models[0].parameters(), start, *drifted):
+        outer = p0 - 0.7 * 1.9 * ((p0 - d0) + (p0 - d1)) / 2
+        assert torch.allclose(p, 0.5 * outer + 0.5 * (d0 + 0.01), atol=1e-6)
+    assert syncs[0].meetings == [{"step": 5, "started": 3, "fragment": 0, "committed": True,
+                                  "bytes": syncs[0].meetings[0]["bytes"]}]
+
+
 def test_the_recovery_state_makes_a_restarted_group_identical() -> None:
     options = FaultTolerance(mode="diloco", sync_every=5)
     models, syncs = _groups(options)
@@ -181,6 +212,8 @@ def test_the_recovery_state_makes_a_restarted_group_identical() -> None:
     ({"mode": "diloco", "outer_momentum": 0.0}, "outer_nesterov=false"),
     ({"mode": "diloco", "exchange": "int8"}, "int8 is not built"),
     ({"mode": "diloco", "outer_lr": 0}, "outer_lr"),
+    ({"mode": "streaming_diloco", "sync_every": 6, "fragments": 3, "sync_delay": 2}, r"sync_delay=2 .* \[0, 2\)"),
+    ({"mode": "diloco", "fragment_mix": 1.5}, "fragment_mix"),
 ])
 def test_bad_diloco_options_are_refused_with_the_fix(config: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
