@@ -25,7 +25,12 @@ from tests.distributed.fault_tolerance.replica_runs import (
     SAMPLES,
     WIDTH,
     CommittedBatches,
+    full_state,
 )
+
+
+# The layouts a group may take here: the fault-tolerance tests' and ZeRO-3 over a data axis of 2 inside each group.
+DILOCO_LAYOUTS = {**LAYOUTS, "zero 3": {"data_parallel_size": 2, "zero_stage": 3}}
 
 
 class _Sent:
@@ -72,7 +77,7 @@ class Meetings(Callback):
     def _snapshot(self, trainer: Any, pl_module: Any) -> None:
         outer = trainer.strategy.replica_groups.outer
         self.snapshots.append({"step": trainer.global_step, "outer": copy.deepcopy(outer.state_dict()),
-                               "local": {k: v.clone() for k, v in module_state(pl_module).items()},
+                               "local": full_state(pl_module),  # DTensors gathered inside the group
                                "committed": outer.meetings[-1]["committed"]})
 
 
@@ -90,9 +95,9 @@ def diloco_rank(rank: int, world_size: int, layout: str, steps: int, faults: tup
     pl.seed_everything(0, verbose=False)
     model = ResidualMLP(width=WIDTH, depth=DEPTH, optimizer="adamw")
     recorder, meetings = CommittedBatches(Path(folder)), Meetings()
-    strategy = HybridParallelStrategy(**LAYOUTS[layout], fault_tolerance=ft)
+    strategy = HybridParallelStrategy(**DILOCO_LAYOUTS[layout], fault_tolerance=ft)
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps,
-                         callbacks=[FaultInjection(*faults), HoldWhileDegraded(), recorder, meetings],
+                         callbacks=[FaultInjection(*faults), HoldWhileDegraded(1.0), recorder, meetings],
                          use_distributed_sampler=False, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          limit_val_batches=0)

@@ -26,9 +26,15 @@ FT = {"timeout": 10, "quorum_timeout": 60, "connect_timeout": 5, "mode": "diloco
 STEPS = 20
 
 
-def _replay_gap(result, ft: dict, folder: Path) -> float:
+def _group_batches(result) -> list[list[dict]]:
+    """Each group's batch per step: its data ranks' batches joined (ZeRO-3 over data 2 inside the group)."""
+    return [[{"step": rs[0]["step"], "batch": [torch.cat(parts) for parts in zip(*(r["batch"] for r in rs))]}
+             for rs in zip(*(out["records"] for out in group))] for group in result.outputs]
+
+
+def _replay_gap(result, ft: dict, folder: Path, data_ranks: bool = False) -> float:
     """Largest difference, over every meeting, group and rank, to the one-process replay under ``ft``."""
-    records = recorded(folder, 2)
+    records = _group_batches(result) if data_ranks else recorded(folder, 2)
     assert [[r["step"] for r in group] for group in records] == [list(range(STEPS))] * 2
     fragments = [sum((out["fragments"][f] for out in result.outputs[0]), []) for f in
                  range(len(result.outputs[0][0]["fragments"]))]
@@ -52,19 +58,23 @@ def _identical(a: dict, b: dict) -> bool:
         torch.equal(mine[k]["momentum_buffer"], theirs[k]["momentum_buffer"]) for k in mine)
 
 
-def test_diloco_meetings_equal_a_one_process_replay_at_a_fifth_of_ddp_s_bytes(tmp_path: Path) -> None:
-    result = run_replica_groups(diloco_rank, 2, 2, "pipeline 2", STEPS, (), FT, str(tmp_path), timeout=400)
+@pytest.mark.parametrize("layout", ["pipeline 2", pytest.param("tensor 2", marks=pytest.mark.extended),
+                                    pytest.param("zero 3", marks=pytest.mark.extended)])
+def test_diloco_meetings_equal_a_one_process_replay_at_a_fifth_of_ddp_s_bytes(layout: str, tmp_path: Path) -> None:
+    result = run_replica_groups(diloco_rank, 2, 2, layout, STEPS, (), FT, str(tmp_path), timeout=400)
     assert result.restarts == [0, 0]
-    gap = _replay_gap(result, FT, tmp_path)
+    zero = layout == "zero 3"
+    gap = _replay_gap(result, FT, tmp_path, data_ranks=zero)
     # Negative control: the same replay without the outer Nesterov step (a plain average, local SGD) is far off.
-    control = _replay_gap(result, {**FT, "outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": False}, tmp_path)
+    control = _replay_gap(result, {**FT, "outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": False}, tmp_path,
+                          data_ranks=zero)
     ratios = []
     for out in result.outputs[0] + result.outputs[1]:
         assert [m["step"] for m in out["meetings"]] == [5, 10, 15, 20] and all(m["committed"] for m in out["meetings"])
         ratios.append(out["bytes"] / out["steps"] / out["ddp_bytes_per_step"])
     for a, b in zip(result.outputs[0], result.outputs[1]):
         assert _identical(a, b)
-    print(f"diloco replay: max difference {gap:.2e} over 4 meetings (control without the outer step: "
+    print(f"diloco ({layout}) replay: max difference {gap:.2e} over 4 meetings (control without the outer step: "
           f"{control:.2e}); cross-group bytes per step / ddp's: "
           f"{', '.join(f'{r:.4f}' for r in ratios)}")
     assert gap < 1e-5 < 1e-3 < control
