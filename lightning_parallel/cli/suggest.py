@@ -35,5 +35,5 @@ def choice_error(key: str, value: Any, choices: Iterable[Any], what: str = "one 
     """
     choices = [str(choice) for choice in choices]
     near = closest(value, choices)
-    hint = f"did you mean {key}={near}? " if near else ""
-    return f"{key}={value} is not a choice: {hint}Use {what} {', '.join(choices)}."
+    hint = f": did you mean {key}={near}? Use" if near else "; use"
+    return f"{key}={value!r} is not a choice{hint} {what} {', '.join(choices)}."

@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_parallel.cli.suggest import choice_error
+from lightning_parallel.cli.suggest import choice_error, closest
 from lightning_parallel.layout import ParallelLayout
 
 # Lightning's precision names (lightning.fabric's connector accepts these and their short forms).
@@ -52,19 +52,21 @@ def check_strategy_choices(cfg: DictConfig) -> None:
     strategy = cfg.get("strategy")
     if not OmegaConf.is_dict(strategy):
         return
+    # Only a typo with a close choice is refused here: otherwise the strategy's own message (which says what each
+    # choice is for, e.g. ring for any head count) is the better one, raised when preflight builds the strategy.
     for key, choices in _strategy_choices().items():
         value = strategy.get(key)
-        if isinstance(value, str) and value not in choices:
+        if isinstance(value, str) and value not in choices and closest(value, choices):
             raise ValueError(choice_error(f"strategy.{key}", value, choices))
     value = strategy.get("compile")
     if isinstance(value, str) and value.lower() not in ("true", "false"):
         backends = compile_backends()
-        if value not in backends:
+        if value not in backends and closest(value, backends):
             import torch
 
             # Shown: torch's own short list (no debug or experimental ones) and the eager ones; matched: all.
             shown = sorted({*torch.compiler.list_backends(), "eager", "aot_eager"})
-            message = choice_error("strategy.compile", value, ["true", "false", *backends])
+            message = choice_error("strategy.compile", value, backends)
             raise ValueError(message.split(" Use ")[0] + f" Use true (inductor), false, or a torch.compile backend "
                              f"such as {', '.join(shown)} (torch.compiler.list_backends()).")
 

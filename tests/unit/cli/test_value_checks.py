@@ -48,7 +48,7 @@ def test_microbatches_that_do_not_divide_the_batch_name_both_keys_and_the_choice
     ("activation_checkpointing", "ful", "full"),
 ])
 def test_a_mistyped_strategy_choice_suggests_the_closest(key, typed, meant):
-    with pytest.raises(ValueError, match=rf"strategy\.{key}={typed} is not a choice: did you mean "
+    with pytest.raises(ValueError, match=rf"strategy\.{key}='{typed}' is not a choice: did you mean "
                                          rf"strategy\.{key}={meant}\?"):
         values.check_strategy_choices(_cfg("strategy=hybrid", f"strategy.{key}={typed}"))
 
@@ -99,3 +99,8 @@ def test_the_recipes_defaults_pass_every_value_check():
         values.check_data_values(cfg)
         values.check_strategy_choices(cfg)
         values.check_optimizer(cfg)
+
+
+def test_a_choice_with_no_close_match_is_left_to_the_strategys_own_message():
+    values.check_strategy_choices(_cfg("strategy=context", "strategy.context_parallel_method=flash"))
+    values.check_strategy_choices(_cfg("strategy=hybrid", "strategy.compile=xyzzy"))
