@@ -65,7 +65,8 @@ class Meetings(Callback):
             return send(tensor, *args, **kwargs)
 
         manager.allreduce = counted
-        if trainer.global_step > 0:  # a restarted group: it healed at the others' meeting and joined its average
+        outer = trainer.strategy.replica_groups.outer
+        if trainer.global_step > 0 and not outer.pending:  # restarted: healed at the others' meeting, joined it
             self._snapshot(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -78,7 +79,8 @@ class Meetings(Callback):
         outer = trainer.strategy.replica_groups.outer
         self.snapshots.append({"step": trainer.global_step, "outer": copy.deepcopy(outer.state_dict()),
                                "local": full_state(pl_module),  # DTensors gathered inside the group
-                               "committed": outer.meetings[-1]["committed"]})
+                               "committed": outer.meetings[-1]["committed"],
+                               "fragment": outer.meetings[-1]["fragment"]})
 
 
 def ddp_bytes_per_step(module: torch.nn.Module) -> int:

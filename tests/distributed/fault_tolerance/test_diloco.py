@@ -11,6 +11,7 @@ the bound is the issue's 1e-5.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -24,6 +25,8 @@ pytest.importorskip("torchft")
 
 FT = {"timeout": 10, "quorum_timeout": 60, "connect_timeout": 5, "mode": "diloco", "sync_every": 5}
 STEPS = 20
+# fragment_mix stays 0 here: with a mix, each group keeps half of its own steps trained while the exchange flew.
+STREAMING_OVERLAPPED = {**FT, "mode": "streaming_diloco", "sync_every": 10, "fragments": 2, "sync_delay": 2}
 
 
 def _group_batches(result) -> list[list[dict]]:
@@ -50,8 +53,10 @@ def _replay_gap(result, ft: dict, folder: Path, data_ranks: bool = False) -> flo
     return gap
 
 
-def _identical(a: dict, b: dict) -> bool:
-    same = a["local"].keys() == b["local"].keys() and all(torch.equal(a["local"][k], b["local"][k]) for k in a["local"])
+def _identical(a: dict, b: dict, names: Optional[list[str]] = None) -> bool:
+    """Same outer state (last-meeting parameters, momentum) and the same parameters (``names`` only, if given)."""
+    names = list(a["local"]) if names is None else names
+    same = a["local"].keys() == b["local"].keys() and all(torch.equal(a["local"][k], b["local"][k]) for k in names)
     same &= all(torch.equal(x, y) for x, y in zip(a["outer"]["originals"], b["outer"]["originals"]))
     mine, theirs = a["outer"]["outer"]["state"], b["outer"]["outer"]["state"]
     return same and mine.keys() == theirs.keys() and all(
@@ -81,9 +86,13 @@ def test_diloco_meetings_equal_a_one_process_replay_at_a_fifth_of_ddp_s_bytes(la
     assert all(abs(r - 1 / 5) < 0.005 for r in ratios), ratios  # ddp also sends presence flags and a stop vote
 
 
-def test_a_killed_group_rejoins_diloco_identical_to_the_survivor(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ft", [FT, pytest.param(STREAMING_OVERLAPPED, marks=pytest.mark.extended)],
+                         ids=["diloco", "streaming, overlapped"])
+def test_a_killed_group_rejoins_diloco_identical_to_the_survivor(ft: dict, tmp_path: Path) -> None:
+    """Under streaming the fragments that did not meet are each group's own: the meeting fragment's parameters
+    and the whole outer state are compared."""
     steps = 25
-    result = run_replica_groups(diloco_rank, 2, 2, "pipeline 2", steps, (fail_at(1, 0, 7),), FT, str(tmp_path),
+    result = run_replica_groups(diloco_rank, 2, 2, "pipeline 2", steps, (fail_at(1, 0, 7),), ft, str(tmp_path),
                                 timeout=400, restart_delay=3.0)
     assert result.restarts == [0, 1], result.failures
     survivor, rejoined = result.outputs[0], result.outputs[1]
@@ -93,9 +102,11 @@ def test_a_killed_group_rejoins_diloco_identical_to_the_survivor(tmp_path: Path)
     assert rejoined[0]["snapshots"][0]["step"] == first  # compared from the meeting it joined at, uncounted
     for a, b in zip(survivor, rejoined):
         theirs = {s["step"]: s for s in a["snapshots"]}
-        assert all(_identical(theirs[s["step"]], s) for s in b["snapshots"]), "differs after a meeting"
-        assert _identical(a, b) and b["global_step"] == steps
-    print(f"diloco rejoin: group 1 rejoined at the meeting of step {first}, identical after "
+        assert b["global_step"] == steps
+        for snap in b["snapshots"]:
+            met = b["fragments"][snap["fragment"]]
+            assert _identical(theirs[snap["step"]], snap, met), f"differs after the meeting of step {snap['step']}"
+    print(f"{ft['mode']} rejoin: group 1 rejoined at the meeting of step {first}, identical after "
           f"{len(rejoined[0]['snapshots'])} meetings")
 
 
