@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_parallel.optim import MuonWithAdamW, muon_groups
+
 from ..building import BuildsInConfigureModel, NormalEmbedding, NormalLinear, seed_built_model
 from ..optimization import weight_decay_groups, with_warmup_cosine
 from ..transformer import Block
@@ -339,6 +341,11 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
         return self(idx)
 
     def configure_optimizers(self) -> Any:
+        if getattr(self.optimizer_factory, "func", self.optimizer_factory) is MuonWithAdamW:
+            # Muon on the blocks' matrices (experts' too); AdamW on the embedding, the head, norms and biases.
+            groups = muon_groups(self, self.hparams.weight_decay,
+                                 exclude=lambda name: "embed" in name or name.startswith("head.") or "router" in name)
+            return with_warmup_cosine(self.optimizer_factory(groups), self.hparams.warmup_steps, self.hparams.max_steps)
         # Matrices of Linear layers decay; biases, norms and embedding tables do not.
         groups = weight_decay_groups(self, self.hparams.weight_decay, exempt=lambda name: "embed" in name)
         return with_warmup_cosine(self.optimizer_factory(groups), self.hparams.warmup_steps, self.hparams.max_steps)
