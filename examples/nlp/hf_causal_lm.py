@@ -250,6 +250,9 @@ class HFCausalLM(BuildsInConfigureModel, pl.LightningModule):
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=3e-3)
         self.model_config = model_config(config, dict(config_overrides or {}), vocab_size, pretrained)
+        # Training keeps no key/value cache: with one, transformers would not separate the documents of packed rows
+        # (position ids restarting, data=hf_text), and the suite's context-parallel split follows what it does.
+        self.model_config.use_cache = False
         # Import the model's class now: defined inside deepspeed.zero.Init (configure_model under ZeRO-3), a class
         # would lose the __init__ wrappers transformers' kernels put on it when the context restores its classes.
         causal_lms = _transformers().MODEL_FOR_CAUSAL_LM_MAPPING
