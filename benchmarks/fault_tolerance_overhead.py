@@ -11,6 +11,11 @@ batch and the same data, one process per rank over gloo, through Lightning's ``T
   the commit vote every step);
 * ``data 2 x pipeline 2`` on 4 processes against ``2 groups x pipeline 2``.
 
+``--modes``: two replica groups of pipeline 2 under each ``fault_tolerance.mode`` (``ddp``, ``diloco`` with
+``sync_every=5``, ``streaming_diloco`` with 2 fragments and ``sync_every=10``, and with a 2-step overlap): the mean
+and median step time (a meeting's cost lands in its step: the mean carries it) and the bytes rank 0 sent across
+groups per step, counted by wrapping its torchft manager's ``allreduce``.
+
 Peak memory: each rank's peak resident set (``getrusage``), the largest over ranks and rounds.
 
 Step time: ``on_train_batch_start`` to ``on_train_batch_end`` on rank 0 (the quorum is taken inside the step, so it
@@ -62,17 +67,37 @@ class StepTimes(Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
+class SentBytes(Callback):
+    """Bytes this rank's torchft manager all-reduces across groups during training."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        groups = getattr(trainer.strategy, "replica_groups", None)
+        if groups is None:
+            return
+        send = groups.manager.allreduce
+
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.bytes += tensor.numel() * tensor.element_size()
+            return send(tensor, *args, **kwargs)
+
+        groups.manager.allreduce = counted
+
+
 def timed_rank(rank: int, world_size: int, options: dict, steps: int, ft: Any) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
-    timer = StepTimes()
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, max_steps=steps, callbacks=[timer],
+    timer, sent = StepTimes(), SentBytes()
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, max_steps=steps, callbacks=[timer, sent],
                          strategy=HybridParallelStrategy(**options, fault_tolerance=ft), use_distributed_sampler=False,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
     model = ResidualMLP(width=WIDTH, depth=DEPTH, optimizer="adamw")
     trainer.fit(model, datamodule=FixedOrderData(regression_dataset(4096, WIDTH), BATCH))
     # Peak resident memory of this rank's process (Linux: KiB), torchft's manager threads and servers included.
-    return {"times": timer.times, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {"times": timer.times, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "bytes_per_step": sent.bytes / max(len(timer.times), 1)}
 
 
 def measure(settings: dict) -> list[dict]:
@@ -96,6 +121,35 @@ def measure(settings: dict) -> list[dict]:
     return rows
 
 
+MODES = {"ddp": {}, "diloco, sync_every 5": {"mode": "diloco", "sync_every": 5},
+         "streaming, 2 fragments, sync_every 10": {"mode": "streaming_diloco", "sync_every": 10},
+         "streaming, overlapped 2 steps": {"mode": "streaming_diloco", "sync_every": 10, "sync_delay": 2}}
+
+
+def measure_modes(settings: dict) -> list[dict]:
+    """2 groups x pipeline 2 under each mode of :data:`MODES`, alternating within each round."""
+    times: dict[str, list[float]] = {}
+    sent: dict[str, float] = {}
+    group = PAIRS["data 2 x pipeline 2"][2]
+    for _ in range(settings["rounds"]):
+        for name, mode in MODES.items():
+            outputs = run_replica_groups(timed_rank, 2, 2, group, settings["steps"], {"timeout": 30, **mode},
+                                         timeout=600).outputs
+            times.setdefault(name, []).extend(outputs[0][0]["times"][settings["warmup"]:])
+            sent[name] = outputs[0][0]["bytes_per_step"]
+    return [{"mode": name, "median_ms": statistics.median(times[name]) * 1e3,
+             "mean_ms": statistics.mean(times[name]) * 1e3, "bytes_per_step": sent[name],
+             "bytes_vs_ddp": sent[name] / sent["ddp"]} for name in MODES]
+
+
+def render_modes(rows: list[dict]) -> str:
+    lines = ["| 2 groups x pipeline 2 | median step (ms) | mean step (ms) | bytes per step, rank 0 | vs ddp |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['mode']} | {r['median_ms']:.2f} | {r['mean_ms']:.2f} | {r['bytes_per_step']:.0f} | "
+              f"{r['bytes_vs_ddp']:.4f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def render(rows: list[dict]) -> str:
     lines = ["| layout | fixed group (ms) | 2 replica groups, torchft (ms) | ratio | added per step (ms) | "
              "peak RSS per rank, fixed / torchft (MiB) |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -107,18 +161,21 @@ def render(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 round of 20 steps")
+    parser.add_argument("--modes", action="store_true", help="compare fault_tolerance modes instead")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results") / str(date.today()))
     args = parser.parse_args()
     os.environ.setdefault("RUST_LOG", "warn")
     settings = QUICK if args.quick else FULL
     start = time.perf_counter()
-    rows = measure(settings)
+    rows = measure_modes(settings) if args.modes else measure(settings)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"settings": settings, "runtime_s": time.perf_counter() - start, "torch": torch.__version__,
             "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()}
-    table = render(rows)
-    (args.out / "fault_tolerance_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    (args.out / "fault_tolerance_overhead.md").write_text(f"# Fault tolerance overhead\n\n{__doc__}\n\n{table}\n")
+    table = render_modes(rows) if args.modes else render(rows)
+    name = "fault_tolerance_modes" if args.modes else "fault_tolerance_overhead"
+    (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (args.out / f"{name}.md").write_text(f"# Fault tolerance {'modes' if args.modes else 'overhead'}\n\n{__doc__}"
+                                         f"\n\n{table}\n")
     print(table)
 
 
