@@ -28,7 +28,6 @@ from tests.distributed.fault_tolerance.replica_runs import (
     full_state,
 )
 
-
 # The layouts a group may take here: the fault-tolerance tests' and ZeRO-3 over a data axis of 2 inside each group.
 DILOCO_LAYOUTS = {**LAYOUTS, "zero 3": {"data_parallel_size": 2, "zero_stage": 3}}
 

@@ -124,7 +124,8 @@ def test_streaming_diloco_fragments_meet_at_staggered_steps_as_the_replay(exchan
             (5 - delay, 5, 0), (10 - delay, 10, 1), (15 - delay, 15, 0), (20 - delay, 20, 1)]
         ratios.append(out["bytes"] / out["steps"] / out["ddp_bytes_per_step"])
     gap = _replay_gap(result, ft, tmp_path)
-    print(f"streaming diloco ({exchange}, sync_delay {delay}) replay: max difference {gap:.2e}; cross-group bytes per step / ddp's: "
+    print(f"streaming diloco ({exchange}, sync_delay {delay}) replay: max difference {gap:.2e}; cross-group bytes "
+          f"per step / ddp's: "
           f"{', '.join(f'{r:.4f}' for r in ratios)}")
     # Every fragment meets once per sync_every=10 steps: the whole model every 10 steps, in half the bytes in bf16.
     assert all(abs(r - (1 / 10 if exchange == "fp32" else 1 / 20)) < 0.005 for r in ratios), ratios
