@@ -71,7 +71,8 @@ class OuterSync:
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], options: FaultTolerance) -> None:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
-        # The global parameters as of the last meeting (at start: the first quorum's, see ReplicaGroups.open).
+        # The global parameters as of the last meeting (at start: the first quorum's, see ReplicaGroups.open), kept
+        # beside the parameters on their device; torchft keeps them in pinned CPU memory instead.
         self.originals = [local(p.data).detach().clone() for p in self.params]
         self.device = self.originals[0].device if self.originals else torch.device("cpu")
         count = options.fragments if options.mode == "streaming_diloco" else 1
@@ -82,7 +83,7 @@ class OuterSync:
         self.exchange = _EXCHANGE[options.exchange]
         self.delay, self.mix = options.sync_delay, float(options.fragment_mix)
         self._pending: Optional[tuple] = None  # an exchange in flight: start() to finish()
-        self.meetings: list[dict[str, Any]] = []  # (step, fragment, bytes sent, committed): what tests count
+        self.meetings: list[dict[str, Any]] = []  # step, started, fragment, bytes sent, committed: what tests count
 
     def fragment_at(self, step: int) -> Optional[int]:
         """The fragment that meets after ``step`` committed steps, or None between meetings.

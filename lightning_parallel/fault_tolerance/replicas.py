@@ -12,7 +12,9 @@ A step under ``strategy.fault_tolerance`` (mode ``ddp``):
    does not commit (a group died mid-step) leaves the parameters untouched on every group.
 3. The optimizer step, with the learning rate scaled by ``lr_rule`` for the groups taking part.
 
-Lightning's ``global_step`` counts committed steps, so ``max_steps`` means committed updates.
+Lightning's ``global_step`` counts committed steps, so ``max_steps`` means committed updates. Modes ``local_sgd``,
+``diloco`` and ``streaming_diloco`` skip steps 1-3: the groups meet at the end of every few steps instead
+(:meth:`ReplicaGroups.after_step`; :mod:`.local_sgd`, :mod:`.diloco`).
 """
 
 from __future__ import annotations
