@@ -31,15 +31,28 @@ def log_to_file(text: str) -> None:
             handler.flush()
 
 
+LOG_WIDTH = 140  # columns when the output is no terminal (a pipe, a CI log, a test): as wide as the log file reads
+
+
+def console_width() -> Optional[int]:
+    """None (rich's own detection: the terminal's width) on a terminal, else :data:`LOG_WIDTH`.
+
+    Note:
+        Tables drawn 140 wide wrapped every row in a 100-column terminal; without a terminal rich would pick 80,
+        which folds the paths in the start-up table of every log.
+    """
+    return None if Console().is_terminal else LOG_WIDTH
+
+
 def print_table(title: str, rows: list[tuple[str, str]], console: Optional[Console] = None) -> None:
     """Print a two-column table (rank 0 only: the caller decides); the run's log file gets it too.
 
     Args:
         title: the table's title.
         rows: ``(what, value)`` pairs.
-        console: where to print (a recording console of width 140 by default).
+        console: where to print (a recording console as wide as the terminal, or 140 columns without one).
     """
-    console = console or Console(width=140, record=True)
+    console = console or Console(width=console_width(), record=True)
     console.print(table(title, rows))
     if console.record:
         log_to_file(console.export_text())
