@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from lightning_parallel.layout import factorizations
+from lightning_parallel.parallel.checks import SPLIT_BACKWARD_SCHEDULES
 from lightning_parallel.parallel.pipeline.schedules import SCHEDULES, check_microbatches, validate_schedule
 from lightning_parallel.planner import experts as expert_axis
 from lightning_parallel.planner.context import method_reason, size_reason
@@ -329,6 +330,8 @@ def _layouts(shape: ModelShape, work: Workload, space: SearchSpace, checkpointin
                 continue
             for ep in expert_sizes:
                 for engine, zero, units in _engines(space, dp, cp, pp, tp, ep):
+                    if zero == 3 and engine == "hybrid" and pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
+                        continue  # refused before start (parallel/checks.py): the weight pass after FSDP2's reshard
                     base = Candidate(engine, dp, pp, tp, zero, schedule, v, m, eff.micro_batch_size,
                                      eff.accumulate_grad_batches, eff.global_batch_size, cp=cp, ep=ep, units_mb=units)
                     modes = checkpointing if engine != "ddp" else ("none",)  # strategy=ddp has no checkpointing
