@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 
 from lightning_parallel.fault_tolerance.gradient_average import average_gradients
-from lightning_parallel.fault_tolerance.replica_state import module_state
+from lightning_parallel.fault_tolerance.replica_state import local, module_state
 from lightning_parallel.strategies import HybridParallelStrategy
 from lightning_parallel.testing.faults import FaultInjection, HoldWhileDegraded, incarnation
 from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
@@ -52,6 +52,7 @@ class Meetings(Callback):
 
     def __init__(self) -> None:
         self.snapshots: list[dict[str, Any]] = []
+        self.before: list[dict[str, Any]] = []
         self.bytes = 0
         self.steps = 0
 
@@ -65,6 +66,15 @@ class Meetings(Callback):
 
         manager.allreduce = counted
         outer = trainer.strategy.replica_groups.outer
+        start = outer.start
+
+        def noted(*args: Any, **kwargs: Any) -> Any:  # this rank's shards as the exchange starts
+            self.before.append({"params": [local(p.data).clone() for p in outer.params],
+                                "originals": [t.clone() for t in outer.originals],
+                                "outer": copy.deepcopy(outer.outer.state_dict())})
+            return start(*args, **kwargs)
+
+        outer.start = noted
         if trainer.global_step > 0 and not outer.pending:  # restarted: healed at the others' meeting, joined it
             self._snapshot(trainer, pl_module)
 
@@ -78,6 +88,7 @@ class Meetings(Callback):
         outer = trainer.strategy.replica_groups.outer
         self.snapshots.append({"step": trainer.global_step, "outer": copy.deepcopy(outer.state_dict()),
                                "local": full_state(pl_module),  # DTensors gathered inside the group
+                               "shards": [local(p.data).clone() for p in outer.params],
                                "committed": outer.meetings[-1]["committed"],
                                "fragment": outer.meetings[-1]["fragment"]})
 
@@ -105,10 +116,48 @@ def diloco_rank(rank: int, world_size: int, layout: str, steps: int, faults: tup
     trainer.fit(model, datamodule=FixedOrderData(regression_dataset(SAMPLES, WIDTH), BATCH))
     outer = strategy.replica_groups.outer
     return {"group": int(os.environ["REPLICA_GROUP_ID"]), "incarnation": incarnation(), "records": recorder.records,
-            "snapshots": meetings.snapshots, "bytes": meetings.bytes, "steps": meetings.steps,
-            "ddp_bytes_per_step": ddp_bytes_per_step(model), "meetings": outer.meetings,
-            "fragments": outer.fragment_names(), "local": module_state(model), "outer": outer.state_dict(),
+            "snapshots": meetings.snapshots, "before": meetings.before, "bytes": meetings.bytes,
+            "steps": meetings.steps, "ddp_bytes_per_step": ddp_bytes_per_step(model), "meetings": outer.meetings,
+            "fragments": outer.fragment_names(), "fragment_names": outer.fragment_names(), "names": outer.names,
+            "local": module_state(model), "outer": outer.state_dict(),
             "global_step": trainer.global_step}
+
+
+def diloco_moe_rank(rank: int, world_size: int, steps: int, ft: dict) -> dict[str, Any]:
+    """One rank of a group of data 2 x expert 2: the GPT recipe's MoE blocks (4 experts, top-2), AdamW."""
+    from tests.distributed.parity_runs import text_dataset, tiny_gpt
+
+    pl.seed_everything(0, verbose=False)
+    model = tiny_gpt(moe={"every": 2, "num_experts": 4, "top_k": 2, "aux_loss_weight": 0.05})
+    meetings = Meetings()
+    strategy = HybridParallelStrategy(data_parallel_size=2, expert_parallel_size=2, fault_tolerance=ft)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps,
+                         callbacks=[meetings], use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0)
+    trainer.fit(model, datamodule=FixedOrderData(text_dataset(256, 16), 4))
+    outer = strategy.replica_groups.outer
+    return {"snapshots": meetings.snapshots, "before": meetings.before, "meetings": outer.meetings,
+            "names": outer.names, "fragment_names": outer.fragment_names()}
+
+
+def expected_meeting(before: list[dict[str, Any]], ft: dict, fragment: list[int]) -> dict[int, torch.Tensor]:
+    """One rank's fragment shards after a meeting, from every group's shards as the exchange started: the outer SGD
+    (Nesterov) steps the last-meeting shards with the groups' mean pseudo-gradient.
+
+    Args:
+        before: per group, what :class:`Meetings` noted as the exchange started.
+        ft: the ``fault_tolerance`` options.
+        fragment: indices of the meeting fragment's tensors.
+    """
+    lr, momentum = ft.get("outer_lr", 0.7), ft.get("outer_momentum", 0.9)
+    originals, state = before[0]["originals"], before[0]["outer"]["state"]
+    out = {}
+    for i in fragment:
+        grad = sum(originals[i] - b["params"][i] for b in before) / len(before)
+        buffer = state[i]["momentum_buffer"] * momentum + grad if i in state else grad
+        out[i] = originals[i] - lr * (grad + momentum * buffer)
+    return out
 
 
 def diloco_reference(records_by_group: list[list[dict[str, Any]]], ft: dict, fragments: list[list[str]],

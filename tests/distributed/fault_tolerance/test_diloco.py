@@ -18,7 +18,12 @@ import torch
 
 from lightning_parallel.testing.faults import fail_at
 from lightning_parallel.testing.replica_groups import run_replica_groups
-from tests.distributed.fault_tolerance.diloco_runs import diloco_rank, diloco_reference
+from tests.distributed.fault_tolerance.diloco_runs import (
+    diloco_moe_rank,
+    diloco_rank,
+    diloco_reference,
+    expected_meeting,
+)
 from tests.distributed.fault_tolerance.replica_runs import recorded
 
 pytest.importorskip("torchft")
@@ -50,6 +55,21 @@ def _replay_gap(result, ft: dict, folder: Path, data_ranks: bool = False) -> flo
                 expected = reference[snap["step"]][g]
                 gap = max([gap] + [float((v - expected[k]).abs().max()) for k, v in snap["local"].items()])
     assert met == set(reference), (sorted(met), sorted(reference))
+    return gap
+
+
+def _meetings_gap(result, ft: dict) -> float:
+    """Largest difference, over every meeting and rank, between the shards after the meeting and the outer step
+    worked by hand from both groups' shards as its exchange started (any layout: no one-process model needed)."""
+    gap, ranks = 0.0, zip(*result.outputs)
+    for per_group in ranks:
+        for k, snap in enumerate(per_group[0]["snapshots"]):
+            fragment = [i for i, name in enumerate(per_group[0]["names"])
+                        if name in per_group[0]["fragment_names"][snap["fragment"]]]
+            expected = expected_meeting([out["before"][k] for out in per_group], ft, fragment)
+            for out in per_group:
+                shards = out["snapshots"][k]["shards"]
+                gap = max([gap] + [float((shards[i] - e).abs().max()) for i, e in expected.items()])
     return gap
 
 
@@ -132,3 +152,19 @@ def test_streaming_diloco_fragments_meet_at_staggered_steps_as_the_replay(exchan
     # bf16: the replay rounds the same sums to bf16, but a 1e-7 difference in a pseudo-gradient from the pipeline's
     # micro-batches can round to the neighbouring bf16 value (2**-8 relative), which the outer step carries on.
     assert gap < (1e-5 if exchange == "fp32" else 1e-3)
+
+
+@pytest.mark.extended  # ~1 min: the GPT recipe's MoE blocks on 4 processes
+def test_diloco_over_groups_of_data_2_x_expert_2_steps_every_shard_by_the_outer_rule() -> None:
+    """Experts inside each group (their shards differ between the ranks of a group, the same at the same rank of
+    both groups): every meeting's result equals the outer Nesterov step worked by hand from both groups' shards."""
+    result = run_replica_groups(diloco_moe_rank, 2, 2, 10, FT, timeout=400)
+    assert all([m["step"] for m in out["meetings"]] == [5, 10] for group in result.outputs for out in group)
+    experts = [n for n in result.outputs[0][0]["names"] if "expert" in n]
+    assert experts, result.outputs[0][0]["names"]
+    gap = _meetings_gap(result, FT)
+    for a, b in zip(*result.outputs):
+        assert all(_identical(x, y) for x, y in zip(a["snapshots"], b["snapshots"]))
+    print(f"diloco (data 2 x expert 2, MoE): meetings within {gap:.2e} of the outer step by hand; "
+          f"{len(experts)} expert tensors per rank")
+    assert gap < 1e-6
