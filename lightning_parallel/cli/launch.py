@@ -136,6 +136,18 @@ def _stop_children(children: list[subprocess.Popen], timeout: float) -> None:
             child.wait()
 
 
+def _after_rank_zero_failed(error: BaseException, watcher: _ChildWatcher, children: list[subprocess.Popen],
+                            run_dir: Path) -> None:
+    """Stop the children after rank 0 failed; raise the error of a child that failed first, when there is one."""
+    failed_at = time.time()
+    watcher.stopped.set()
+    # Rank 0 failed: the others wait in a collective for it; a short grace, then kill.
+    _stop_children(children, timeout=3.0)
+    cause = earlier_rank_error(run_dir, range(1, len(children) + 1), failed_at, error)
+    if cause is not None:  # rank 0 only saw a peer leave: the peer's error is the one to show
+        raise cause from error
+
+
 @contextmanager
 def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int, run_id: str) -> Iterator[None]:
     """Start ranks 1..nprocs-1 as children and make this process rank 0 for the duration.
@@ -171,13 +183,7 @@ def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int, run_id: str) -> Ite
     try:
         yield
     except BaseException as error:
-        failed_at = time.time()
-        watcher.stopped.set()
-        # Rank 0 failed: the others wait in a collective for it; a short grace, then kill.
-        _stop_children(children, timeout=3.0)
-        cause = earlier_rank_error(run_dir, range(1, nprocs), failed_at, error)
-        if cause is not None:  # rank 0 only saw a peer leave: the peer's error is the one to show
-            raise cause from error
+        _after_rank_zero_failed(error, watcher, children, run_dir)
         raise
     finally:
         watcher.stopped.set()

@@ -28,6 +28,15 @@ def available_schedules() -> list[str]:
     return [name for name, (cls, _, _) in SCHEDULES.items() if hasattr(schedules, cls)]
 
 
+def _unknown_schedule(schedule: object) -> str:
+    """The message for a schedule name torch does not have, with the closest one."""
+    import difflib
+
+    near = difflib.get_close_matches(str(schedule), list(SCHEDULES), n=1)
+    hint = f"did you mean {near[0]!r}? " if near else ""
+    return f"Unknown schedule {schedule!r}: {hint}choose one of {', '.join(SCHEDULES)}."
+
+
 def validate_schedule(schedule: str, pipeline_parallel: int, stages_per_rank: int, microbatches: int) -> None:
     """Reject a schedule / stages-per-rank / micro-batch combination torch would refuse or mishandle.
 
@@ -38,11 +47,7 @@ def validate_schedule(schedule: str, pipeline_parallel: int, stages_per_rank: in
         microbatches: micro-batches per batch.
     """
     if schedule not in SCHEDULES:
-        import difflib
-
-        near = difflib.get_close_matches(str(schedule), list(SCHEDULES), n=1)
-        hint = f"did you mean {near[0]!r}? " if near else ""
-        raise ValueError(f"Unknown schedule {schedule!r}: {hint}choose one of {', '.join(SCHEDULES)}.")
+        raise ValueError(_unknown_schedule(schedule))
     if schedule not in available_schedules():
         raise ValueError(
             f"schedule={schedule!r} needs a newer torch ({torch.__version__} lacks it): "
