@@ -215,7 +215,9 @@ class ReplicaGroups:
         epoch, batch = int(trainer.current_epoch), self._position["batch"] + 1
         self._position = {"epoch": epoch + 1 if last else epoch, "batch": 0 if last else batch, "step": step}
         self._quorum()
-        self._sync_parameters(contributes=True, step=step)
+        # A group healed at this quorum (it had fallen behind) holds a copy of its donor's: counting it would weigh
+        # the donor twice.
+        self._sync_parameters(contributes=not self._recovered_now, step=step)
 
     def _sync_parameters(self, contributes: bool, step: int) -> None:
         if self.outer is not None:  # diloco: the exchange starts; the outer step lands now or sync_delay steps later
