@@ -37,7 +37,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from lightning_parallel._compat import dcp_metadata_path, dcp_set_element, load_planner_target
 
 # How a user says "I trust this file, unpickle whatever it holds" -- one spelling per door.
-TRUST_OPT_IN = "Trainer.fit(..., weights_only=False) or the reader's weights_only=False, or lp-convert --trust-source"
+TRUST_OPT_IN = ("Trainer.fit(..., weights_only=False) or the reader's weights_only=False, lp-train trust_source=true, "
+                "or lp-convert --trust-source")
 # What DeepSpeed 0.19.8 pickles into a checkpoint beyond tensors and plain values: the ZeRO optimizer shards'
 # stage, loss scaler and fragment addresses (seen in the folders Lightning's DeepSpeed strategy writes at ZeRO 0-3,
 # fp32, bf16-mixed and bf16-true, AdamW and SGD; the model-state files hold none). fp16 saves a DynamicLossScaler.

@@ -124,8 +124,10 @@ def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None
 
     # Lightning reads a single-file checkpoint with torch's weights_only=True, which refused the run's own file when its
     # hyper-parameters hold Hydra's containers (gpt_moe, the HF and DLRM recipes): the suite's allow-list admits them.
+    # trust_source=true: the user vouches for ckpt_path's pickled objects (weights_only=False runs what they hold).
     with safe_globals():
-        trainer.fit(model, datamodule=datamodule, ckpt_path=str(start) if start else None)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=str(start) if start else None,
+                    weights_only=False if cfg.get("trust_source") else None)
     metrics = fit_metrics(trainer, datamodule)
     if rank_zero_only.rank == 0:
         print_table("lightning_parallel: result", result_rows(trainer, metrics, cfg))

@@ -42,6 +42,7 @@ from lightning_parallel._compat import (
     remove_module_hooks,
     set_forward_redirection,
 )
+from lightning_parallel.checkpoints.deepspeed.folder import check_deepspeed_checkpoint
 from lightning_parallel.checkpoints.detect import describe_checkpoint, unreadable_checkpoint_error
 from lightning_parallel.parallel import activation_checkpoint as ac
 from lightning_parallel.parallel.compose import check_activation_checkpointing, checkpoint_activations
@@ -288,8 +289,10 @@ class DeepSpeedDataParallelStrategy(ReduceWithoutBarrier, DeepSpeedStrategy):
         anything else refused with the fix."""
         path = Path(self.broadcast(str(checkpoint_path)))
         writer, description = describe_checkpoint(path)
-        if writer == "deepspeed" or (writer == "lightning-single-file" and self.load_full_weights
-                                     and self.zero_stage_3):
+        if writer == "deepspeed":  # DeepSpeed's engine unpickles every file with weights_only=False: vouch first
+            check_deepspeed_checkpoint(path, weights_only)
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        if writer == "lightning-single-file" and self.load_full_weights and self.zero_stage_3:
             return super().load_checkpoint(checkpoint_path, weights_only)
         if writer == "unknown":
             raise unreadable_checkpoint_error(path, reader=type(self).__name__)

@@ -33,7 +33,12 @@ from lightning_parallel.checkpoints.dcp import (
     resolve_checkpoint,
     save_sharded_checkpoint,
 )
-from lightning_parallel.checkpoints.safe_loading import SafeFileSystemReader, SafeLoadPlanner, load_plain
+from lightning_parallel.checkpoints.safe_loading import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    load_plain,
+    refusals_unwrapped,
+)
 
 TABLE_OPTIMIZER_KEY = "table_optimizer"
 
@@ -97,17 +102,20 @@ def load(path: Path, module: nn.Module, optimizers: Sequence[Optimizer], fused: 
             f"{str(path)!r} is not a DCP checkpoint folder: strategy=torchrec resumes from the folders it writes "
             "(tables are sharded; a single-file checkpoint holds one rank's view at best)."
         )
+    # Lightning's metadata first: a refused meta.pt stops the load before any tensor is touched.
+    metadata = load_plain(path / METADATA_FILE, weights_only=True if weights_only is None else weights_only)
     state = sharded_state(module, optimizers, fused)
     stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
     # SGD tables have no state to find: only a table optimizer with state must find some.
     expects = TABLE_OPTIMIZER_KEY in state and any(state[TABLE_OPTIMIZER_KEY]["state"].values())
     if expects and not any(k.startswith(f"{TABLE_OPTIMIZER_KEY}.") for k in stored):
         raise ValueError(f"{str(path)!r} holds no table optimizer state: it was written without optimizers.")
-    dcp_load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+    with refusals_unwrapped():  # a refused entry is a CheckpointRefused, not DCP's CheckpointException
+        dcp_load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
     module.load_state_dict(state["state_dict"])
     for index, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(module, optimizer, optim_state_dict=state[f"optimizer_{index}"],
                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
     if TABLE_OPTIMIZER_KEY in state:
         fused.load_state_dict(state[TABLE_OPTIMIZER_KEY])
-    return load_plain(path / METADATA_FILE, weights_only=True if weights_only is None else weights_only)
+    return metadata

@@ -326,3 +326,16 @@ def test_the_deepspeed_classes_real_zero_folders_hold_pass_and_nothing_else(tmp_
     with pytest.raises(CheckpointRefused, match="zero_pp_rank_1.*--trust-source"):
         check_deepspeed_folder(tag)
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("make", [_zero0, _zero2], ids=["model states", "optimizer states"])
+def test_the_deepspeed_strategy_checks_a_folder_before_its_engine_unpickles_it(tmp_path, make):
+    """DeepSpeed's engine reads every file with weights_only=False: the strategy vouches for the folder first."""
+    pytest.importorskip("deepspeed")
+    from lightning_parallel.strategies import DeepSpeedDataParallelStrategy
+
+    marker = tmp_path / "pwned"
+    folder = make(tmp_path, **({"planted": _Payload(marker)} if make is _zero0 else {"payload": _Payload(marker)}))
+    with pytest.raises(CheckpointRefused, match=OPT_IN):
+        DeepSpeedDataParallelStrategy(zero_stage=2).load_checkpoint(folder)
+    assert not marker.exists()
