@@ -79,8 +79,8 @@ def check_targets(cfg: DictConfig) -> None:
     """
     for path, node in _targets(OmegaConf.to_container(cfg, resolve=False), ""):
         target_name = node.get("_target_")
-        if not isinstance(target_name, str):
-            continue
+        if not isinstance(target_name, str) or "${" in target_name:
+            continue  # an interpolation: resolved only when the run builds it
         names, any_key = _parameters(_locate(path, target_name))
         if any_key:
             continue
