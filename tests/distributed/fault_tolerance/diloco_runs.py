@@ -66,6 +66,8 @@ class Meetings(Callback):
 
         manager.allreduce = counted
         outer = trainer.strategy.replica_groups.outer
+        if outer is None:  # mode=ddp: only the bytes are counted
+            return
         start = outer.start
 
         def noted(*args: Any, **kwargs: Any) -> Any:  # this rank's shards as the exchange starts
@@ -115,6 +117,8 @@ def diloco_rank(rank: int, world_size: int, layout: str, steps: int, faults: tup
                          limit_val_batches=0)
     trainer.fit(model, datamodule=FixedOrderData(regression_dataset(SAMPLES, WIDTH), BATCH))
     outer = strategy.replica_groups.outer
+    if outer is None:  # mode=ddp
+        return {"bytes": meetings.bytes, "steps": meetings.steps, "ddp_bytes_per_step": ddp_bytes_per_step(model)}
     return {"group": int(os.environ["REPLICA_GROUP_ID"]), "incarnation": incarnation(), "records": recorder.records,
             "snapshots": meetings.snapshots, "before": meetings.before, "bytes": meetings.bytes,
             "steps": meetings.steps, "ddp_bytes_per_step": ddp_bytes_per_step(model), "meetings": outer.meetings,

@@ -106,6 +106,14 @@ def test_diloco_meetings_equal_a_one_process_replay_at_a_fifth_of_ddp_s_bytes(la
     assert all(abs(r - 1 / 5) < 0.005 for r in ratios), ratios  # ddp also sends presence flags and a stop vote
 
 
+@pytest.mark.extended  # ~15 s: confirms the divisor of the bytes ratio above on a real mode=ddp run
+def test_mode_ddp_sends_per_step_the_payload_the_ratio_divides_by(tmp_path: Path) -> None:
+    ft = {k: v for k, v in FT.items() if k not in ("mode", "sync_every")}
+    result = run_replica_groups(diloco_rank, 2, 2, "pipeline 2", 5, (), ft, str(tmp_path), timeout=400)
+    for out in result.outputs[0] + result.outputs[1]:
+        assert out["bytes"] / out["steps"] == out["ddp_bytes_per_step"], out
+
+
 @pytest.mark.parametrize("ft", [FT, pytest.param(STREAMING_OVERLAPPED, marks=pytest.mark.extended)],
                          ids=["diloco", "streaming, overlapped"])
 def test_a_killed_group_rejoins_diloco_identical_to_the_survivor(ft: dict, tmp_path: Path) -> None:
