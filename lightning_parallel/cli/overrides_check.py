@@ -77,10 +77,14 @@ def check_group_choices(parsed: list[Any], loader: Any) -> None:
 
 
 def _choices(parsed: list[Any], groups: set[str]) -> Optional[list[str]]:
-    """The group choices to compose with (None when one is a sweep: each job composes its own)."""
+    """What to compose with before the keys are looked up: the group choices and the overrides that add or delete
+    keys (``+model.moe={...}`` makes ``model.moe.num_experts`` a key); None when one is a sweep (each job composes
+    its own)."""
+    from hydra.core.override_parser.types import OverrideType
+
     chosen = []
     for override in parsed:
-        if override.key_or_group in groups and not override.is_delete():
+        if override.key_or_group in groups or override.type != OverrideType.CHANGE:
             if override.is_sweep_override():
                 return None
             chosen.append(override.input_line)
@@ -172,7 +176,7 @@ def check_keys(parsed: list[Any], loader: Any) -> None:
         group, _, rest = override.key_or_group.partition(".")
         having = []
         if group in groups and not closest(missing[0][missing[1]], missing[2]):
-            others = [c for c in base if not c.startswith(f"{group}=")]
+            others = [c for c in base if not c.lstrip("+~").startswith((f"{group}=", f"{group}."))]
             having = _options_having(loader, compose, group, rest, others)
         value = (override.input_line or "=...").split("=", 1)[1]  # as typed (Hydra's own form escapes ':')
         raise ValueError(_key_error(override.key_or_group, value, missing, cfg, having))

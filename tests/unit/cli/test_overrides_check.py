@@ -61,3 +61,8 @@ def test_an_unknown_key_without_a_close_one_lists_what_is_there():
 ])
 def test_valid_command_lines_pass(overrides):
     _check(*[o for o in overrides if "=" in o])
+
+
+def test_a_key_another_override_adds_is_a_key():
+    _check("+model.moe={num_experts:2}", "model.moe.num_experts=4")
+    _check("~callbacks.evaluation", "trainer.max_steps=3")
