@@ -104,3 +104,89 @@ def test_negative_control_orthogonalising_each_shard_alone_is_caught(references)
     worst = _worst(run_processes(_fit, 2, cases, True, timeout=900), {k: references[k] for k in cases}, False)
     print("shards orthogonalised alone, max |parameter - one process|:", worst)
     assert all(w > 1e-4 for w in worst.values()), worst
+
+
+def _hf_llama_muon():
+    """What a user writes for a Hugging Face decoder: Muon on its hidden matrices, AdamW on embeddings and head."""
+    import lightning.pytorch as pl
+    import torch
+    import transformers
+
+    from lightning_parallel.optim import MuonWithAdamW, muon_groups
+
+    class MuonLlama(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+            self.model = transformers.LlamaForCausalLM(config)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            groups = muon_groups(self, exclude=lambda name: "lm_head" in name)
+            return MuonWithAdamW(groups, lr=0.02, adamw_lr=1e-2, ns_dtype="float32")
+
+    return MuonLlama()
+
+
+def _fit_hf(rank, world_size, options):
+    from lightning_parallel.testing.compare import full_parameters
+    from lightning_parallel.testing.fit import fit_recording_losses
+    from tests.distributed.adapters.test_hf_padded_loss import padded_samples
+
+    model = _hf_llama_muon()
+    strategy = Hybrid(**options) if world_size > 1 else "auto"
+    dp = options.get("data_parallel_size", 1) if world_size > 1 else 1
+    fit_recording_losses(model, strategy, world_size, padded_samples(), GLOBAL_BATCH // dp, STEPS,
+                         gradient_clip_val=0.5)
+    return {k.removeprefix("model."): v for k, v in full_parameters(model).items()}
+
+
+@pytest.mark.parametrize("options", [dict(data_parallel_size=2, zero_stage=3),
+                                     dict(data_parallel_size=1, tensor_parallel_size=2)], ids=["zero3", "tensor2"])
+def test_muon_on_a_hugging_face_llama_gives_one_process_parameters(options):
+    pytest.importorskip("transformers")
+    reference = run_processes(_fit_hf, 1, options, timeout=600)[0]
+    got = run_processes(_fit_hf, 2, options, timeout=600)[0]
+    muon = {k: float((got[k] - v).abs().max()) for k, v in reference.items()
+            if v.dim() == 2 and "embed" not in k and "lm_head" not in k}
+    adamw = {k: float((got[k] - v).abs().max()) for k, v in reference.items() if k not in muon}
+    print("Llama, max |Muon matrix - one process|", max(muon.values()), "| AdamW parameter |", max(adamw.values()))
+    assert len(muon) == 14 and max(muon.values()) < TOL, muon
+    assert max(adamw.values()) < ADAMW_TOL, adamw
+
+
+def _save_then_resume(rank, world_size, root, save_options, resume_options):
+    from pathlib import Path
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.distributed.parity_runs import fit_text_epochs
+
+    saver = ModelCheckpoint(dirpath=root, filename="muon", save_top_k=-1, save_on_train_epoch_end=True)
+    dp = save_options.get("data_parallel_size", 1)
+    fit_text_epochs(_muon_gpt, world_size, Hybrid(**save_options), 1, batches=4, global_batch=8, data_parallel=dp,
+                    callbacks=[saver])
+    dp = resume_options.get("data_parallel_size", 1)
+    return fit_text_epochs(_muon_gpt, world_size, Hybrid(**resume_options), 2, batches=4, global_batch=8,
+                           data_parallel=dp, ckpt_path=str(Path(root) / "muon.ckpt"))
+
+
+def _uninterrupted(rank, world_size):
+    from tests.distributed.parity_runs import fit_text_epochs
+
+    return fit_text_epochs(_muon_gpt, world_size, "auto", 2, batches=4, global_batch=8, data_parallel=1)
+
+
+def test_muon_state_saved_under_zero3_resumes_under_tensor_parallelism(tmp_path):
+    """Muon's momentum buffers travel in the sharded checkpoint like AdamW's states and reshard onto another layout."""
+    from lightning_parallel.testing import max_abs_difference
+
+    resumed = run_processes(_save_then_resume, 2, str(tmp_path), dict(data_parallel_size=2, zero_stage=3),
+                            dict(data_parallel_size=1, tensor_parallel_size=2), timeout=900)
+    reference = run_processes(_uninterrupted, 1, timeout=600)[0]
+    for losses in resumed:
+        assert len(losses) == 4 and max_abs_difference(losses, reference[4:]) < 1e-5
