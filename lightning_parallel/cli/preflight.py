@@ -135,6 +135,30 @@ def meta_model(cfg: DictConfig) -> Any:
     return model
 
 
+def check_model_builds(cfg: DictConfig) -> None:
+    """Build ``cfg.model`` on the meta device once, so a model that refuses its settings (``model.n_head=3`` with
+    ``d_model=32``, ``model.dropout=1.5``) fails here, naming ``model.<key>``, not in every rank after start-up.
+
+    A model that cannot be built on the meta device for another reason is left to the run (no refusal).
+
+    Raises:
+        ValueError: the model's own ``ValueError``, its arguments named as ``model.<key>``.
+    """
+    model_cfg = cfg.get("model")
+    if not OmegaConf.is_dict(model_cfg):
+        return
+    try:
+        meta_model(cfg)
+    except ValueError as exc:
+        message, names = str(exc), "|".join(re.escape(str(key)) for key in model_cfg.keys())
+        named = re.sub(rf"(?<![\w.])({names})(?=\s?=)", r"model.\1", message) if names else message
+        if named == message:
+            named = f"model ({model_cfg.get('_target_', '?')}): {message}"
+        raise ValueError(named) from exc
+    except Exception:  # noqa: BLE001 - needs the Trainer, a device, files: the run builds it as before
+        return
+
+
 def _check_model(cfg: DictConfig, strategy: Any, layout: ParallelLayout) -> None:
     """Check the model against the layout (stages vs. layers, tensor size vs. heads) on the meta device."""
     from lightning_parallel.parallel.compose import check_module
@@ -253,11 +277,21 @@ def _check_trainer(cfg: DictConfig) -> None:
 
 
 def _check_data(cfg: DictConfig) -> None:
-    """A ``data.path`` that does not exist fails here, not inside every rank."""
-    path = cfg.get("data", {}).get("path") if OmegaConf.is_dict(cfg.get("data")) else None
+    """A ``data.path`` (or ``data.files`` / ``data.val_files`` / ``data.tokenizer`` of data=hf_text) that does not
+    exist fails here, not inside every rank."""
+    data = cfg.get("data") if OmegaConf.is_dict(cfg.get("data")) else {}
+    path = data.get("path")
     if path is not None and not os.path.exists(str(path)):
         raise ValueError(f"data.path={path} does not exist (looked from {os.getcwd()}): give an existing "
                          "file or folder, or data.path=null for the built-in data")
+    if "files" in data and not data.get("files"):
+        raise ValueError("data.files is empty: give a file or folder, e.g. data.files=/path/train.jsonl "
+                         "or data.files=[a.jsonl,b.parquet]")
+    for key in ("files", "val_files", "tokenizer"):
+        value = data.get(key)
+        for name in (value if OmegaConf.is_list(value) else [] if value is None else [value]):
+            if not os.path.exists(os.path.expanduser(str(name))):
+                raise ValueError(f"data.{key}: {name} does not exist (looked from {os.getcwd()})")
 
 
 def preflight(cfg: DictConfig) -> tuple[Any, ParallelLayout]:
@@ -284,6 +318,7 @@ def preflight(cfg: DictConfig) -> tuple[Any, ParallelLayout]:
         values.check_microbatches(cfg, layout, effective.micro_batch_size)
         values.check_optimizer(cfg)
         _check_precision(cfg, strategy, layout)
+        check_model_builds(cfg)
         _check_model(cfg, strategy, layout)
         _check_pretrained(cfg)
         _check_sequence(cfg, layout)

@@ -64,6 +64,8 @@ MISTAKES = [
      "scaling.reference.lr=0.001", ["scaling.reference.global_batch_size=30", "data.batch_size"]),
     ("fp16 under tensor parallelism", "strategy=tensor trainer.devices=2 trainer.precision=16-mixed",
      ["'16-mixed' is not supported"]),
+    ("heads not dividing the width", "model.n_head=3", ["model.n_head=3 must divide model.d_model=32"]),
+    ("dropout out of range", "model.dropout=1.5", ["model (", "dropout probability has to be between 0 and 1"]),
     ("pretrained folder that does not exist", "model=hf_causal_lm model.pretrained=/nonexistent",
      ["model.pretrained='/nonexistent'", "config.json"]),
     ("pretrained folder without config.json", "model=hf_causal_lm model.pretrained={tmp}/run",
