@@ -121,6 +121,9 @@ class ReplicaGroups:
         if o.mode in DILOCO_MODES:  # before the first quorum: a group healing there receives the outer state too
             self.outer = OuterSync(trainable(strategy.lightning_module), o)
             self.outer.register(self.manager)
+            if trainer.ckpt_path:  # never silently: checkpoints hold the model and inner optimizer only
+                self._say(f"{o.mode}: checkpoints do not hold the outer momentum and last-meeting parameters; this "
+                          "resume starts the outer loop afresh from the resumed parameters.")
         self._quorum()  # the first step's quorum, before the training loader exists (see process_dataloader)
         if self._local_sgd and self._recovered_now and trainer.global_step > 0:
             # healed at the others' meeting: join its average, uncounted
