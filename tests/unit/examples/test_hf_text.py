@@ -184,3 +184,25 @@ def test_hf_finetune_composes_with_the_model_folders_tokenizer(folders):
                                            f"data.files={corpus['jsonl']}", "paths.output_dir=/tmp/lp-hf-finetune"])
     data = instantiate(cfg.data)
     assert data.hparams.tokenizer == str(model) and data.hparams.packing and cfg.model.vocab_size is None
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.files=null", "data.files is empty"),
+    ("data.files=[/no/such/train.jsonl]", "data.files: /no/such/train.jsonl does not exist"),
+    ("data.val_files=/no/such/val.jsonl", "data.val_files: /no/such/val.jsonl does not exist"),
+])
+def test_lp_train_refuses_missing_files_before_any_rank_starts(folders, override, message):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from lightning_parallel.cli.preflight import ConfigError, preflight
+    from lightning_parallel.cli.train import CONFIG_DIR
+
+    root, corpus, model = folders
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=hf_finetune", f"model.pretrained={model}",
+                                           f"data.files={corpus['jsonl']}", override,
+                                           "paths.output_dir=/tmp/lp-hf-finetune"])
+    with pytest.raises(ConfigError, match=message):
+        preflight(cfg)
