@@ -44,6 +44,19 @@ register_resolver()  # hydra.run.dir names each run's own folder (conf/config.ya
 # every fit: one FutureWarning per rank that no user or recipe can act on (the fix is Lightning's). Filtered once here.
 warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
+
+class _NoCloudTips(logging.Filter):
+    """Drops Lightning's "Tip: For seamless cloud uploads/logging ... litmodels/litlogger" lines: suggestions to
+    install packages the suite does not use, printed by every run (one per checkpoint callback or logger)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        return not ("Tip:" in message and ("litmodels" in message or "litlogger" in message))
+
+
+for _name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+    logging.getLogger(_name).addFilter(_NoCloudTips())
+
 CONFIG_DIR = str(_CONFIG_DIR)  # Hydra wants a string
 
 
