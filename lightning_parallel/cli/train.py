@@ -26,8 +26,8 @@ from typing import Any, Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_parallel.cli.effective import run_summary, save_effective_config
 from lightning_parallel.cli.effective import apply_scaling as apply_scaling  # re-exported: tests use it
+from lightning_parallel.cli.effective import run_summary, save_effective_config
 from lightning_parallel.cli.preflight import ConfigError, check_trainer_overrides, preflight, report_config_error
 from lightning_parallel.cli.preflight import layout_of as layout_of  # re-exported: tests and recipes use them
 from lightning_parallel.cli.preflight import world_size_of as world_size_of
@@ -113,8 +113,8 @@ def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None
     import lightning.pytorch as pl
     from lightning.pytorch.utilities import rank_zero_only
 
-    from lightning_parallel.cli.report import result_rows, startup_table
     from lightning_parallel.checkpoints.safe_loading import safe_globals
+    from lightning_parallel.cli.report import result_rows, startup_table
     from lightning_parallel.cli.run_resume import describe_start
     from lightning_parallel.runtime.console import print_table
 
