@@ -38,17 +38,28 @@ def checkpointing_modes() -> tuple[str, ...]:
     return CHECKPOINTING if any(f.name == "activation_checkpointing" for f in fields(ParallelOptions)) else ("none",)
 
 
-def optimizer_states(cfg: Any) -> int:
+def optimizer_states(cfg: Any, model: Any = None) -> float:
     """Optimizer state tensors per parameter of ``cfg.model.optimizer`` (2 for Adam/AdamW, 1 for Lion or SGD with
-    momentum, 0 for plain SGD)."""
+    momentum, 0 for plain SGD; for ``MuonWithAdamW`` the mean over the groups ``model.configure_optimizers()``
+    builds: 1 per Muon matrix element (its momentum), 2 per AdamW one)."""
     target = str(cfg.model.get("optimizer", {}).get("_target_", "torch.optim.AdamW"))
     name = target.rsplit(".", 1)[-1].lower()
+    if name == "muonwithadamw":
+        return 2.0 if model is None else _muon_states(model)
     if name.startswith("adam") or name in ("lamb", "lion"):
         return 1 if name == "lion" else 2
     return 1 if name == "sgd" and cfg.model.optimizer.get("momentum") else 0
 
 
 _optimizer_states = optimizer_states  # the name this module used before
+
+
+def _muon_states(model: Any) -> float:
+    built = model.configure_optimizers()
+    optimizer = built["optimizer"] if isinstance(built, dict) else built
+    counts = [(sum(p.numel() for p in g["params"]), 1 if g.get("use_muon") else 2) for g in optimizer.param_groups]
+    total = sum(n for n, _ in counts)
+    return sum(n * k for n, k in counts) / total if total else 2.0
 
 
 def _unique_params(layer: nn.Module, plan: Mapping[str, Any], prefix: str,
@@ -142,7 +153,7 @@ def shape_of(cfg: Any) -> ModelShape:
                          "tensor: the planner can measure only single-tensor inputs; plan with a cluster whose "
                          "compute is 'peak' after describing the model, or plan a published shape with --shape.")
     name = str(cfg.model._target_).rsplit(".", 1)[-1]
-    shape = profile_module(model, inputs, name=name, optimizer_states=_optimizer_states(cfg))
+    shape = profile_module(model, inputs, name=name, optimizer_states=_optimizer_states(cfg, model))
     return replace(shape, built_on_meta=on_meta)
 
 

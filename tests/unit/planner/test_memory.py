@@ -100,3 +100,21 @@ def test_checkpointing_lowers_activations(gpt_and_shape) -> None:
     c = layout()
     assert activation_bytes(shape, replace(c, checkpointing="full"), block, 8) < activation_bytes(shape, c, block, 8)
     assert activation_bytes(shape, replace(c, tp=2), block, 8) < activation_bytes(shape, c, block, 8)
+
+
+def test_muon_holds_one_state_per_matrix_element_and_adamw_two_for_the_rest():
+    from omegaconf import OmegaConf
+
+    from functools import partial
+
+    from examples.nlp.model import GPT
+    from lightning_parallel.optim import MuonWithAdamW
+    from lightning_parallel.planner.from_config import optimizer_states
+
+    cfg = OmegaConf.create({"model": {"optimizer": {"_target_": "lightning_parallel.optim.MuonWithAdamW"}}})
+    model = GPT(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4,
+                optimizer=partial(MuonWithAdamW)).build()
+    blocks = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2)
+    total = sum(p.numel() for p in model.parameters())
+    assert optimizer_states(cfg, model) == (blocks + 2 * (total - blocks)) / total
+    assert optimizer_states(OmegaConf.create({"model": {"optimizer": {"_target_": "torch.optim.AdamW"}}})) == 2
