@@ -83,14 +83,24 @@ class RunMeshes:
     rank: int
 
     @classmethod
-    def build(cls, layout: ParallelLayout, device_type: str, zero_stage: int = 0) -> RunMeshes:
+    def build(cls, layout: ParallelLayout, device_type: str, zero_stage: int = 0, timeout: Any = None) -> RunMeshes:
         """Create them (collectives: every rank calls this once, after the default process group exists).
 
         Args:
             layout: the resolved layout.
             device_type: ``"cpu"`` or ``"cuda"``.
             zero_stage: the run's ZeRO stage (the data mesh's shape).
+            timeout: the groups' collective timeout (a ``timedelta``; the strategy's); None: torch's default, 30 min.
         """
+        if timeout is None:
+            return cls._build(layout, device_type, zero_stage)
+        from lightning_parallel._compat.c10d_internals import default_group_timeout
+
+        with default_group_timeout(timeout):  # init_device_mesh takes no timeout: without it a hang held 30 min
+            return cls._build(layout, device_type, zero_stage)
+
+    @classmethod
+    def _build(cls, layout: ParallelLayout, device_type: str, zero_stage: int) -> RunMeshes:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -303,3 +303,17 @@ def test_transformers_class_keyed_conversions_are_found_under_fsdp2s_class_renam
     model.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     sources = [c.source_patterns for c in _compat.hf_checkpoint_conversions(model)]
     assert [r"^embed_out\."] in sources and type(model).__name__ == "FSDPGPTNeoXForCausalLM"
+
+
+def test_new_groups_without_a_timeout_read_the_module_default_the_mesh_timeout_patches():
+    import inspect
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    from lightning_parallel._compat.c10d_internals import default_group_timeout
+
+    assert "default_pg_timeout" in inspect.getsource(c10d._get_default_timeout)
+    with default_group_timeout(timedelta(seconds=7)):
+        assert c10d._get_default_timeout(c10d.Backend.GLOO) == timedelta(seconds=7)
+    assert c10d._get_default_timeout(c10d.Backend.GLOO) == timedelta(minutes=30)

@@ -124,7 +124,8 @@ class HybridParallelStrategy(HybridRunViews, HybridCheckpointIO, ReduceWithoutBa
         # NCCL (torchtitan's "cuda:nccl,cpu:gloo" under FSDP2 CPU offload).
         cpu_too = self.options.offload != "none" and self.root_device.type == "cuda"
         _compat.init_model_parallel_process_group(self, "cuda:nccl,cpu:gloo" if cpu_too else None)
-        self._meshes = RunMeshes.build(self.layout, self.root_device.type, self.options.zero_stage)
+        self._meshes = RunMeshes.build(self.layout, self.root_device.type, self.options.zero_stage,
+                                       self.options.timeout)
         self._mesh = self._meshes.run  # 4-D (data, context, pipeline, tensor) under context parallelism
         _compat.set_module_device_mesh(self.lightning_module, self._mesh)
         if self.options.async_save and self.async_writer is None:  # its own gloo group: a collective, every rank

@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from lightning_parallel.runtime import rank_record
+
 
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete within the strategy's timeout: another rank died or stalled."""
@@ -24,10 +26,12 @@ def timeout_message(strategy: Any, phase: str, error: BaseException) -> str:
         step = strategy.lightning_module.trainer.global_step
     except (AttributeError, RuntimeError):  # no module, or a module not attached to a Trainer
         step = "?"
+    record = rank_record.current()  # set by the RankRecorder callback (lp-train's default callbacks)
+    where = f" {record.where_others_were()}" if record is not None else ""
     return (
         f"Rank {strategy.global_rank} (data, pipeline, tensor = {coords}) timed out after {strategy.options.timeout} "
         f"in {phase} at global step {step}: another rank died or stalled. Check the other ranks' logs; raise "
-        f"strategy.timeout if a step legitimately takes longer. ({error})"
+        f"strategy.timeout if a step legitimately takes longer.{where} ({error})"
     )
 
 
