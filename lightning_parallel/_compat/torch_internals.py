@@ -6,6 +6,8 @@ Each touch point says why it is private; ``tests/unit/test_compat.py`` has a can
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -92,4 +94,71 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # The fake backend for meta tensors too: a simulated step sends meta tensors point to point (batched send/recv
+    # asks the group for a backend by the tensors' device type).
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions (lp-simulate, between two simulated ranks of one process).
+
+    Why private: DTensor caches each operator's output placements by the inputs' specs, which compare meshes by
+    shape and names only, so a later world's step would be handed the earlier world's mesh object and its process
+    group names (``Could not resolve the process group``); torch's only door is ``tensor.debug``'s private
+    ``_clear_sharding_prop_cache``.
+    """
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
+
+@contextmanager
+def fsdp2_step_on_meta(module: torch.nn.Module) -> Iterator[None]:
+    """Inside, FSDP2's units of ``module`` run forward and backward on ``meta`` parameters (lp-simulate measures a
+    step's collectives and saved activations without materialising anything).
+
+    Why private: FSDP2 refuses a step on ``meta`` (``FSDPParamGroup._validate_no_meta_params``), allocates its
+    all-gather and reduce-scatter buffers on the mesh's device (``FSDPParamGroup.device``, ``FSDPParam.device``) and
+    asks ``_get_device_handle(device.type)`` (a module global of its collectives, param group and state) for
+    streams, which ``meta`` has none of: inside, the buffers are made on ``meta`` and the CPU's no-op streams are
+    used; HSDP's all-reduce, which on a device other than the CPU must return an event (``foreach_reduce``, read by
+    the param group's ``post_backward``), gets a CPU no-op event. Each is restored on the way out.
+
+    Args:
+        module: the parallelised model (its FSDP2 units).
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group, _fsdp_state
+
+    meta = torch.device("meta")
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in module.modules() if isinstance(m, FSDPModule)]
+    groups = [g for g in groups if g is not None]
+    saved = [(g, g.device, [p.device for p in g.fsdp_params]) for g in groups]
+    handles = [(m, m._get_device_handle) for m in (_fsdp_collectives, _fsdp_param_group, _fsdp_state)]
+    reduce = _fsdp_param_group.foreach_reduce
+
+    def reduce_with_event(*args: Any, **kwargs: Any) -> tuple:
+        result = list(reduce(*args, **kwargs))
+        if result[4] is not None and result[5] is None:  # all_reduce_input without all_reduce_event
+            result[5] = torch.cpu.Event()
+        return tuple(result)
+
+    try:
+        _fsdp_param_group.foreach_reduce = reduce_with_event
+        for owner, original in handles:
+            owner._get_device_handle = lambda kind, _o=original: _o("cpu" if kind == "meta" else kind)
+        for group in groups:
+            group.device, group._validate_no_meta_params = meta, lambda: None
+            for param in group.fsdp_params:
+                param.device = meta
+        yield
+    finally:
+        _fsdp_param_group.foreach_reduce = reduce
+        for owner, original in handles:
+            owner._get_device_handle = original
+        for group, device, devices in saved:
+            group.device = device
+            group.__dict__.pop("_validate_no_meta_params", None)
+            for param, param_device in zip(group.fsdp_params, devices):
+                param.device = param_device

@@ -139,7 +139,8 @@ def check_positions(positions: Tensor, cp_size: int, cp_rank: int) -> int:
     seq_len = positions.numel() * cp_size
     check_sequence(seq_len, cp_size)
     expected = local_positions(seq_len, cp_size, cp_rank, device=positions.device)
-    if not torch.equal(positions, expected):
+    # On meta (lp-simulate's step) positions carry no values to check; their shape was checked above.
+    if positions.device.type != "meta" and not torch.equal(positions, expected):
         raise ValueError(
             f"positions are not context rank {cp_rank}'s head-tail positions of a {seq_len}-token sequence: "
             f"pass local_positions({seq_len}, {cp_size}, {cp_rank}) and shard the inputs with shard_sequence()."

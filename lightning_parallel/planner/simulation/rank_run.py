@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -28,11 +28,14 @@ from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.planner.simulation import held
 from lightning_parallel.planner.simulation.gathered import gathered_bytes
 from lightning_parallel.planner.simulation.shards import ParamSpec, spec_of
+from lightning_parallel.planner.simulation.step import run_step
 from lightning_parallel.planner.simulation.world import fake_rank
 
 ModelFactory = Callable[[], nn.Module]
 DDP_NOTE = ("data axis is torch's DDP (zero_stage=0 alone): simulated without its wrapper, which cannot wrap a meta "
             "model; it changes no parameter, and its buckets hold the gradients (the parameters' bytes)")
+PIPELINE_STEP_NOTE = ("pipelined: no step simulated yet (the schedule's shape inference needs real peers): "
+                      "activations, send/recv and the stages' collectives not measured")
 _TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
 
 
@@ -87,7 +90,7 @@ def aliases(model: nn.Module) -> dict[str, str]:
 
 
 def simulate_rank(rank: int, layout: ParallelLayout, options: ParallelOptions, factory: ModelFactory,
-                  precision: str = "32-true") -> RankRecord:
+                  precision: str = "32-true", batch: Optional[Callable[[], Any]] = None) -> RankRecord:
     """Play ``rank`` of ``layout`` in a fake world and measure what it holds after its first optimizer step.
 
     Args:
@@ -96,6 +99,8 @@ def simulate_rank(rank: int, layout: ParallelLayout, options: ParallelOptions, f
         options: the run's options.
         factory: builds the model (called under ``torch.device("meta")``; its ``configure_model`` is run too).
         precision: the Trainer's precision name.
+        batch: builds one batch of this rank on ``meta`` (as its data loader gives it); with it, one step runs and
+            its collectives and saved activations are measured (:mod:`.step`); None: no step.
 
     Raises:
         ValueError: whatever a real run's set-up refuses (the same checks run), naming the fix.
@@ -113,9 +118,27 @@ def simulate_rank(rank: int, layout: ParallelLayout, options: ParallelOptions, f
         done = parallelize(model, meshes=meshes, options=options, adapter=adapter,
                            build=BuildSettings(precision, simulated=True))
         record = _measure(rank, model, names, layout, options, precision)
+        if batch is not None:
+            _step(record, model, done, meshes, batch)
         record.stages = tuple(done.stage_ids)
     record.seconds = time.perf_counter() - started
     return record
+
+
+def _step(record: RankRecord, model: nn.Module, done: Any, meshes: Any, batch: Callable[[], Any]) -> None:
+    """One step's collectives and saved activations into ``record.extra`` (:mod:`.step`), or a note saying why not."""
+    if done.pipelined:
+        record.notes += (PIPELINE_STEP_NOTE,)
+        return
+    try:
+        step = run_step(model, done, meshes, batch())
+    except NotImplementedError as error:  # an operator that needs values, e.g. MoE routing's bincount
+        if "Meta" not in str(error):
+            raise
+        record.notes += (f"step not simulated: {str(error).splitlines()[0][:120]} (values are needed, e.g. the "
+                         "token counts of MoE routing); activations and collectives not measured",)
+        return
+    record.extra.update(activation_bytes=step.activation_bytes, collectives=step.collectives)
 
 
 def _measure(rank: int, model: nn.Module, names: dict[str, str], layout: ParallelLayout, options: ParallelOptions,

@@ -9,8 +9,8 @@ every parameter as often as the layout says (:mod:`.whole_world`).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import Optional
+from collections.abc import Callable, Mapping
+from typing import Any, Optional
 
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.planner.simulation.classes import rank_classes
@@ -21,7 +21,7 @@ from lightning_parallel.planner.simulation.whole_world import check_whole_world
 
 def simulate(model_factory: ModelFactory, options: ParallelOptions, world_size: int, *, num_nodes: int = 1,
              precision: str = "32-true", device_memory: Optional[float] = None,
-             names: Optional[Mapping[str, str]] = None) -> Simulation:
+             names: Optional[Mapping[str, str]] = None, batch: Optional[Callable[[], Any]] = None) -> Simulation:
     """Simulate ``options`` on ``world_size`` ranks for the model ``model_factory`` builds.
 
     Args:
@@ -33,6 +33,8 @@ def simulate(model_factory: ModelFactory, options: ParallelOptions, world_size: 
         precision: the Trainer's precision name.
         device_memory: bytes per device to predict the fit against (``Cluster.memory_per_device``); None: no fit.
         names: how layout errors spell the sizes (default: the hybrid strategy's argument names).
+        batch: builds one batch of a rank on ``meta`` as its data loader gives it (e.g. :func:`.step.token_batch`);
+            with it each class runs one step, whose collectives and saved activations are measured; None: no step.
 
     Returns:
         The :class:`Simulation`: one :class:`ClassResult` per rank class.
@@ -44,7 +46,7 @@ def simulate(model_factory: ModelFactory, options: ParallelOptions, world_size: 
     started = time.perf_counter()
     layout = options.layout(world_size, names, num_nodes)
     classes = rank_classes(layout, options.zero_stage,
-                           lambda rank: simulate_rank(rank, layout, options, model_factory, precision))
+                           lambda rank: simulate_rank(rank, layout, options, model_factory, precision, batch))
     canonical = set(aliases(build_on_meta(model_factory, precision)).values())
     checked = check_whole_world(classes, layout, options.zero_stage, canonical)
     settings = {"precision": precision, "zero_stage": options.zero_stage, "schedule": options.schedule,

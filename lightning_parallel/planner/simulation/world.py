@@ -34,3 +34,4 @@ def fake_rank(rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _compat.clear_dtensor_caches()  # cached placements hold this world's meshes and group names

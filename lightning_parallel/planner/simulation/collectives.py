@@ -1,0 +1,108 @@
+"""The communication of one step, counted where it happens: every collective and point-to-point call torch's
+dispatcher sees, by kind, mesh axis and bytes.
+
+:class:`CountCollectives` is a ``TorchDispatchMode``: the ``c10d`` ops FSDP2, DTensor, the pipeline schedules and the
+suite's own reductions issue (and the functional collectives DTensor uses) pass through it with their tensors and
+process group, in a simulated rank on ``meta`` as in a real gloo run -- the same counter measures both, so the two can
+be compared call for call (``tests/distributed/planner/test_simulation_collectives.py``).
+
+A call's bytes are those of its largest tensor on this rank: the gathered output of an all-gather, the unreduced
+input of a reduce-scatter, the buffer of an all-reduce, broadcast, send or receive, the input of an all-to-all.
+
+Note:
+    torch's DDP reduces its buckets from C++ (its reducer calls the process group directly), out of the dispatcher's
+    sight: its all-reduces are added from DDP's own bucket arithmetic (:func:`ddp_buckets`), not counted here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+# c10d op name (without the trailing "_") -> the kind it is reported as
+_KINDS = {
+    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "all_reduce": "all_reduce",
+    "allgather": "all_gather", "_allgather_base": "all_gather", "allgather_into_tensor_coalesced": "all_gather",
+    "all_gather_into_tensor": "all_gather", "allgather_coalesced": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "alltoall": "all_to_all", "alltoall_base": "all_to_all", "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast", "send": "send", "recv": "recv", "recv_any_source": "recv",
+}
+
+
+def group_axes(meshes: Any) -> dict[str, str]:
+    """Process group name -> the mesh axis it is, for every axis ``meshes`` has (the first name of a shared group).
+
+    Args:
+        meshes: the run's :class:`~lightning_parallel.layout.meshes.RunMeshes`.
+    """
+    from lightning_parallel.layout.meshes import AXES
+
+    names: dict[str, str] = {}
+    for axis in AXES:
+        try:
+            group = meshes.group(axis)
+        except (ValueError, KeyError, RuntimeError):
+            continue  # an axis this layout does not have
+        names.setdefault(group.group_name, axis)
+    return names
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts every communication call made inside it (module docstring).
+
+    Args:
+        axes: process group name -> mesh axis (:func:`group_axes`); other groups are named by their size.
+
+    Attributes:
+        calls: ``(kind, axis, bytes)`` of each call, in order.
+    """
+
+    def __init__(self, axes: Mapping[str, str]) -> None:
+        super().__init__()
+        self.axes = dict(axes)
+        self.calls: list[tuple[str, str, int]] = []
+        self.paused = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.paused and func.namespace in ("c10d", "_c10d_functional", "_c10d_functional_autograd"):
+            kind = _KINDS.get(func._opname.rstrip("_") if func._opname.endswith("__") else func._opname.rstrip("_"))
+            if kind is not None:
+                leaves = tree_leaves((args, kwargs))
+                sizes = [t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)]
+                self.calls.append((kind, self._axis(leaves), max(sizes, default=0)))
+        return func(*args, **kwargs)
+
+    def _axis(self, leaves: Iterable[Any]) -> str:
+        import torch.distributed as dist
+
+        named = [leaf for leaf in leaves if isinstance(leaf, str)]
+        for leaf in leaves:
+            if isinstance(leaf, str) and leaf in self.axes:
+                return self.axes[leaf]  # a functional collective names its group
+            if isinstance(leaf, (torch.ScriptObject, dist.ProcessGroup)):
+                group = leaf if isinstance(leaf, dist.ProcessGroup) else dist.ProcessGroup.unbox(leaf)
+                return self.axes.get(group.group_name, f"a group of {group.size()}")
+        return f"group {named[-1]}" if named else "unknown group"
+
+    def summary(self) -> list[dict[str, Any]]:
+        """The calls by ``(kind, axis)``: ``{"kind", "axis", "count", "bytes"}``, in order of first call."""
+        return summarize(self.calls)
+
+
+def summarize(calls: Iterable[tuple[str, str, int]]) -> list[dict[str, Any]]:
+    """``(kind, axis, bytes)`` calls grouped by kind and axis, each with its count and summed bytes."""
+    counts: Counter = Counter()
+    total: Counter = Counter()
+    for kind, axis, size in calls:
+        counts[(kind, axis)] += 1
+        total[(kind, axis)] += size
+    return [{"kind": k, "axis": a, "count": counts[(k, a)], "bytes": total[(k, a)]} for k, a in counts]

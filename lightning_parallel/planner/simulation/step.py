@@ -1,0 +1,150 @@
+"""One training step of a simulated rank, run on ``meta``: the collectives it issues and the activations it saves.
+
+After :func:`~lightning_parallel.parallel.compose.parallelize` the rank runs forward, the model's loss and backward
+on a ``meta`` batch of the configured size, through FSDP2, DTensor, context and expert parallelism exactly as a real
+step does (FSDP2 let run on ``meta`` through :func:`lightning_parallel._compat.fsdp2_step_on_meta`), then the
+experts' gradient reduction a real step runs after backward. Inside it:
+
+- :class:`~.collectives.CountCollectives` counts every collective by kind, mesh axis and bytes;
+- autograd's saved tensors are counted as :func:`torch.autograd.graph.saved_tensors_hooks` sees them (distinct
+  storages, the parameters and FSDP2's gathered parameters left out: they are counted as parameters and
+  ``gathered_bytes``), plus the inputs of activation-checkpointed layers, which checkpointing keeps for recomputation
+  out of the hooks' sight.
+
+Note:
+    Not in the count: the model's own bookkeeping reductions inside ``training_step`` (a loss mean over ranks, logged
+    metrics: scalars through the strategy's ``reduce``) and Lightning's. Pipelined layouts run no step here (the
+    schedule's shape inference needs real peers): their activations and send/receive are not measured yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_parallel.planner.simulation.collectives import CountCollectives, group_axes, summarize
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one simulated step did.
+
+    Attributes:
+        collectives: ``{"kind", "axis", "count", "bytes"}`` per kind and mesh axis, in order of first call.
+        activation_bytes: bytes autograd saved for backward (one batch of this rank).
+    """
+
+    collectives: tuple[dict[str, Any], ...]
+    activation_bytes: int
+
+
+def token_batch(batch_size: int, seq_len: int) -> tuple[Tensor, Tensor]:
+    """``(inputs, targets)`` token ids of ``batch_size`` sequences of ``seq_len`` on ``meta`` (a language model's)."""
+    tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    return tokens, tokens.clone()
+
+
+def run_step(model: nn.Module, done: Any, meshes: Any, batch: Any) -> StepRecord:
+    """Forward, loss and backward of ``batch`` on the parallelised ``model`` (the module docstring).
+
+    Args:
+        model: the parallelised model, on ``meta``.
+        done: what ``parallelize`` returned (adapter, context split, options).
+        meshes: the run's meshes (to name each collective's mesh axis).
+        batch: one batch of this rank as the data loader gives it (before context parallelism splits it).
+    """
+    from lightning_parallel import _compat
+    from lightning_parallel.parallel.tensor.plan import loss_parallel_context
+
+    if done.context_split is not None:
+        batch = done.context_split.split_batch(batch)
+    inputs, targets = done.adapter.split_batch(batch)
+    loss_fn = done.loss_fn or done.adapter.pipeline_plan().loss_fn
+    counter = CountCollectives(group_axes(meshes))
+    saved = _SavedTensors(model)
+    parallel_loss = loss_parallel_context(True) if done.options.loss_parallel else nullcontext()
+    with _compat.fsdp2_step_on_meta(model), counter, parallel_loss:
+        with saved.counting():
+            loss = loss_fn(model(inputs), targets)
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+        loss.backward()
+        _reduce_experts(model, meshes, done.options)
+    return StepRecord(tuple(summarize(counter.calls)), saved.total())
+
+
+def _reduce_experts(model: nn.Module, meshes: Any, options: Any) -> None:
+    """The real step's after-backward expert reduction (the hybrid strategy's ``ReduceExpertGradients``)."""
+    from lightning_parallel.layout import EXPERT_DATA
+    from lightning_parallel.parallel.experts.sharded import reduce_expert_gradients
+
+    layout = meshes.layout
+    if layout.expert_parallel <= 1:
+        return
+    sharded = options.expert_data_shard and layout.data_context // layout.expert_parallel > 1
+    if not sharded:
+        reduce_expert_gradients(model, meshes.group(EXPERT_DATA), layout.data_context)
+
+
+class _SavedTensors:
+    """Bytes of the distinct storages autograd saves during a forward, parameters' storages left out."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.storages: dict[int, int] = {}
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        from lightning_parallel.parallel.activation_checkpoint import is_checkpointed
+
+        def pack(tensor: Tensor) -> Tensor:
+            self._add(tensor)
+            return tensor
+
+        def keep_inputs(module: nn.Module, args: tuple) -> None:
+            for value in args:  # checkpointing keeps a layer's inputs for its recomputation
+                if isinstance(value, Tensor):
+                    self._add(value)
+
+        hooks = [m.register_forward_pre_hook(keep_inputs) for m in self.model.modules() if is_checkpointed(m)]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _add(self, tensor: Tensor) -> None:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if isinstance(local, nn.Parameter):
+            return
+        storage = local.untyped_storage()
+        self.storages[storage._cdata] = storage.nbytes()
+
+    def total(self) -> int:
+        """Saved bytes, without the storages of parameters and of FSDP2's gathered (unsharded) parameters."""
+        return sum(size for key, size in self.storages.items() if key not in _parameter_storages(self.model))
+
+
+def _parameter_storages(model: nn.Module) -> set[int]:
+    from torch.distributed.fsdp import FSDPModule
+
+    keys = set()
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        keys.add(local.untyped_storage()._cdata)
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            for output in getattr(fsdp_param, "all_gather_outputs", ()):
+                keys.add(output.untyped_storage()._cdata)
+            unsharded: Optional[Tensor] = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                local = unsharded.to_local() if hasattr(unsharded, "to_local") else unsharded
+                keys.add(local.untyped_storage()._cdata)
+    return keys

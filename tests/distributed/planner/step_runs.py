@@ -1,0 +1,105 @@
+"""Real 4-rank runs of the tiny GPT counting one training step's collectives and saved activations, and the same
+layouts' simulated steps (``tests/distributed/planner/test_simulation_step.py``)."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from functools import partial
+from typing import Any
+
+import lightning.pytorch as pl
+
+from tests.distributed.planner.simulation_runs import LAYOUTS, WORLD, gpt
+
+BATCH, SEQ = 8, 16  # the global batch of simulation_runs.measure_layouts
+# The layouts whose step the simulation runs (not pipelined; MoE routing needs values, which meta has none of).
+STEP_LAYOUTS = [name for name, (options, model) in LAYOUTS.items()
+                if options.get("pipeline_parallel_size", 1) == 1 and "moe" not in model]
+
+
+class CountStep(pl.Callback):
+    """Counts the first training step's collectives (from its batch's start to its end, the optimizer step
+    included) with lp-simulate's own counter, and the bytes autograd saves in its forward.
+
+    The strategy's ``reduce`` (the model's loss mean and logged metrics) is left out of the count, as the simulation
+    leaves it out (``planner/simulation/step.py``).
+    """
+
+    def __init__(self) -> None:
+        self.collectives: list[dict[str, Any]] = []
+        self.activation_bytes = 0
+        self._stack: ExitStack | None = None
+        self._saved: Any = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if idx != 0:
+            return
+        from lightning_parallel.planner.simulation.collectives import CountCollectives, group_axes
+        from lightning_parallel.planner.simulation.step import _SavedTensors
+
+        strategy = trainer.strategy
+        self.counter = CountCollectives(group_axes(strategy.meshes))
+        reduce = strategy.reduce
+
+        def unseen_reduce(*args: Any, **kwargs: Any) -> Any:
+            self.counter.paused = True
+            try:
+                return reduce(*args, **kwargs)
+            finally:
+                self.counter.paused = False
+
+        strategy.reduce = unseen_reduce
+        self._saved = _SavedTensors(module)
+        self._stack = ExitStack()
+        self._stack.enter_context(self.counter)
+        self._forward = self._saved.counting()
+        self._forward.__enter__()
+
+    def on_before_backward(self, trainer: pl.Trainer, module: pl.LightningModule, loss: Any) -> None:
+        if self._forward is not None and self._stack is not None:
+            self._forward.__exit__(None, None, None)
+            self._forward = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        if self._stack is None:
+            return
+        self._stack.close()
+        self._stack = None
+        del trainer.strategy.reduce  # the strategy's own method again
+        self.collectives = self.counter.summary()
+        self.activation_bytes = self._saved.total()
+
+
+def measure_steps(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Fit one step of every named layout; per layout, this rank's counted collectives and saved bytes."""
+    from lightning_parallel.strategies import HybridParallelStrategy
+    from lightning_parallel.testing.fit import quiet_trainer
+    from lightning_parallel.testing.models import FixedOrderData
+    from tests.distributed.parity_runs import text_dataset
+
+    out = {}
+    for name in names:
+        options, model_overrides = LAYOUTS[name]
+        pl.seed_everything(0)
+        counter = CountStep()
+        strategy = HybridParallelStrategy(**{"pipeline_parallel_size": 1, "tensor_parallel_size": 1, **options})
+        data_parallel = options.get("data_parallel_size", 1)
+        trainer = quiet_trainer(world_size, strategy, 1, [counter], limit_val_batches=0)
+        data = FixedOrderData(text_dataset(32, SEQ), batch_size=BATCH // data_parallel)
+        trainer.fit(gpt(**model_overrides), datamodule=data)
+        out[name] = {"collectives": counter.collectives, "activation_bytes": counter.activation_bytes}
+    return out
+
+
+def simulated_step(name: str) -> Any:
+    """The simulation of layout ``name`` on :data:`WORLD` ranks with one step of the same batch."""
+    from lightning_parallel.parallel.options import ParallelOptions
+    from lightning_parallel.planner import simulate
+    from lightning_parallel.planner.simulation.step import token_batch
+
+    options, model_overrides = LAYOUTS[name]
+    full = {"pipeline_parallel_size": 1, "tensor_parallel_size": 1, **options}
+    per_rank = BATCH // options.get("data_parallel_size", 1)
+    return simulate(partial(gpt, **model_overrides), ParallelOptions(**full), WORLD,
+                    batch=partial(token_batch, per_rank, SEQ))
+

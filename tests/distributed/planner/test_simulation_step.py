@@ -1,0 +1,30 @@
+"""``lp-simulate``'s step is a real run's: at 4 gloo ranks, for every layout of ``step_runs.STEP_LAYOUTS`` (ZeRO 2/3,
+HSDP, tensor and context parallelism; the DDP path's collectives are DDP's C++ reducer's), the collectives each rank's
+simulated class issues in one step -- by kind, mesh axis, count and bytes -- equal those the rank's real first step
+issues, counted by the same counter in the real run, and the bytes autograd saves in the simulated forward on
+``meta`` are within 10% of those the real forward saves."""
+
+import pytest
+
+from lightning_parallel.testing import run_processes
+from tests.distributed.planner.step_runs import STEP_LAYOUTS, WORLD, measure_steps, simulated_step
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def measured() -> list[dict]:
+    return run_processes(measure_steps, WORLD, STEP_LAYOUTS, timeout=900)
+
+
+@pytest.mark.parametrize("name", STEP_LAYOUTS)
+def test_simulated_step_collectives_and_activations_equal_a_real_first_step(name, measured):
+    simulation = simulated_step(name)
+    by_rank = {rank: c for c in simulation.classes for rank in c.ranks}
+
+    for rank in range(WORLD):
+        real = measured[rank][name]
+        assert real["collectives"], (name, rank, "the real step counted nothing: the counter is not in the step")
+        assert list(by_rank[rank].collectives) == real["collectives"], (name, rank)
+        simulated, saved = by_rank[rank].activation_bytes, real["activation_bytes"]
+        assert abs(simulated - saved) <= 0.1 * saved, (name, rank, simulated, saved)
