@@ -16,6 +16,7 @@ a layout gives one process's update; torch keeps it private, so it is written ou
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -96,29 +97,89 @@ def orthogonalized_shards(parameters: list[Any], updates: list[Tensor], coeffici
     """
     from torch.distributed.tensor import DTensor
 
-    owned: dict[int, int] = {}  # matrices handed out in turn per mesh: position of the next one
-    gathered, owners = [], []
-    for parameter, update in zip(parameters, updates):
+    iterate = partial(newton_schulz, coefficients=coefficients, steps=steps, eps=eps, dtype=dtype)
+    results: list[Optional[Tensor]] = [None] * len(parameters)
+    batched: dict[int, list[int]] = {}  # FSDP2's or one tensor axis's cut: two collectives per mesh, not per matrix
+    owned: dict[int, int] = {}
+    for i, (parameter, update) in enumerate(zip(parameters, updates)):
         if not isinstance(parameter, DTensor) or not _matrix_cut(parameter):
-            gathered.append(None)
-            owners.append(None)
-            continue
-        mesh = parameter.device_mesh
-        turn = owned.get(id(mesh), 0)
-        owned[id(mesh)] = turn + 1
-        whole = DTensor.from_local(update, mesh, parameter.placements, run_check=False, shape=parameter.shape,
-                                   stride=parameter.stride()).full_tensor()
-        gathered.append(whole)
-        owners.append(turn % mesh.size() == _linear_rank(mesh))
-    results = []
-    for parameter, update, whole, mine in zip(parameters, updates, gathered, owners):
-        if whole is None:  # whole matrices on this rank already (plain, replicated, or cut along experts only)
-            results.append(newton_schulz(update, coefficients, steps, eps, dtype))
-            continue
-        ortho = newton_schulz(whole, coefficients, steps, eps, dtype).float() if mine else torch.zeros_like(
-            whole, dtype=torch.float32)
-        results.append(_scatter(ortho, parameter).to(dtype))
-    return results
+            results[i] = iterate(update)  # whole on this rank (plain, replicated, or cut along experts only)
+        elif _one_cut(parameter):
+            batched.setdefault(id(parameter.device_mesh), []).append(i)
+        else:  # several mesh axes cut it: one matrix at a time, handed out in turn over the mesh's ranks
+            mesh = parameter.device_mesh
+            turn = owned.get(id(mesh), 0)
+            owned[id(mesh)] = turn + 1
+            whole = DTensor.from_local(update, mesh, parameter.placements, run_check=False, shape=parameter.shape,
+                                       stride=parameter.stride()).full_tensor()
+            mine = turn % mesh.size() == _linear_rank(mesh)
+            ortho = iterate(whole).float() if mine else torch.zeros_like(whole, dtype=torch.float32)
+            results[i] = _scatter(ortho, parameter).to(dtype)
+    for indices in batched.values():
+        for i, local in zip(indices, _batched([parameters[i] for i in indices], [updates[i] for i in indices],
+                                              iterate, dtype)):
+            results[i] = local
+    return results  # type: ignore[return-value]
+
+
+def _one_cut(parameter: Any) -> bool:
+    """A 2-D DTensor on a 1-D mesh cut along one dimension (FSDP2 over data, or one tensor-parallel axis)."""
+    from torch.distributed.tensor import Shard
+
+    return (parameter.dim() == 2 and parameter.device_mesh.ndim == 1
+            and isinstance(parameter.placements[0], Shard))
+
+
+def _chunks(size: int, ranks: int) -> list[int]:
+    """Rows each rank holds of ``size`` cut ``ranks`` ways as DTensor and FSDP2 cut (``torch.chunk``)."""
+    sizes = [len(c) for c in torch.arange(size).chunk(ranks)]
+    return sizes + [0] * (ranks - len(sizes))
+
+
+def _batched(parameters: list[Any], updates: list[Tensor], iterate: Any, dtype: torch.dtype) -> list[Tensor]:
+    """Every matrix of one 1-D mesh at once: one all-gather of every rank's shards, each rank orthogonalises the
+    matrices it owns (in turn), one all-gather of the results; each rank keeps its rows (or columns)."""
+
+    mesh = parameters[0].device_mesh
+    group, ranks, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    dims = [p.placements[0].dim % 2 for p in parameters]
+    cuts = [_chunks(p.shape[d], ranks) for p, d in zip(parameters, dims)]
+    sizes = [[c * p.shape[1 - d] for c in cut] for p, d, cut in zip(parameters, dims, cuts)]  # elements per rank
+    gathered = _all_gather_flat([u.float().reshape(-1) for u in updates], [sum(s) for s in zip(*sizes)], group)
+    owners = [i % ranks for i in range(len(parameters))]
+    mine, offsets = [], [0] * ranks
+    for i, (p, d, cut) in enumerate(zip(parameters, dims, cuts)):
+        pieces = []
+        for k in range(ranks):
+            n = sizes[i][k]
+            shape = (cut[k], p.shape[1]) if d == 0 else (p.shape[0], cut[k])
+            pieces.append(gathered[k][offsets[k]:offsets[k] + n].view(shape))
+            offsets[k] += n
+        if owners[i] == me:
+            mine.append(iterate(torch.cat(pieces, dim=d)).float().reshape(-1))
+    totals = [sum(p.numel() for i, p in enumerate(parameters) if owners[i] == k) for k in range(ranks)]
+    results = _all_gather_flat(mine, totals, group)
+    locals_, offsets = [], [0] * ranks
+    for i, (p, d, cut) in enumerate(zip(parameters, dims, cuts)):
+        k = owners[i]
+        whole = results[k][offsets[k]:offsets[k] + p.numel()].view(p.shape)
+        offsets[k] += p.numel()
+        start = sum(cut[:me])
+        locals_.append(whole.narrow(d, start, cut[me]).to(dtype).contiguous())
+    return locals_
+
+
+def _all_gather_flat(tensors: list[Tensor], lengths: list[int], group: Any) -> list[Tensor]:
+    """Each rank's ``tensors`` concatenated, gathered from every rank (``lengths``: each rank's total; padded to the
+    longest, as gloo's all-gather wants equal sizes)."""
+    import torch.distributed as dist
+
+    longest = max(lengths) if lengths else 0
+    flat = torch.cat(tensors) if tensors else torch.zeros(0)
+    flat = torch.nn.functional.pad(flat, (0, longest - flat.numel()))
+    out = [torch.empty(longest, dtype=flat.dtype, device=flat.device) for _ in lengths]
+    dist.all_gather(out, flat, group=group)
+    return out
 
 
 def _scatter(ortho: Tensor, parameter: Any) -> Tensor:
