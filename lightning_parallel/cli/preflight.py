@@ -152,7 +152,7 @@ def check_model_builds(cfg: DictConfig) -> None:
     except ValueError as exc:
         message, names = str(exc), "|".join(re.escape(str(key)) for key in model_cfg.keys())
         named = re.sub(rf"(?<![\w.])({names})(?=\s?=)", r"model.\1", message) if names else message
-        if named == message:
+        if not re.search(r"(?<![\w.])model\.\w+\s?=", named):  # names no setting: say which model refused
             named = f"model ({model_cfg.get('_target_', '?')}): {message}"
         raise ValueError(named) from exc
     except Exception:  # noqa: BLE001 - needs the Trainer, a device, files: the run builds it as before

@@ -13,13 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_parallel.cli.overrides_check import check_overrides
 from lightning_parallel.cli.plan import compose
-from lightning_parallel.cli.preflight import check_trainer_overrides, preflight
-from lightning_parallel.cli.run_resume import resume_overrides
-from lightning_parallel.cli.run_start import check_start_model, check_start_readable, start_checkpoint
-from lightning_parallel.runtime.config_dir import CONFIG_DIR
 from tests.integration.entry_point import entry_point_env
+from tests.integration.lp_train_checks import refusal
 
 TINY = ["model=gpt_tiny", "trainer=cpu_test", "logger=none", "callbacks=none"]
 
@@ -104,25 +100,6 @@ def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mistakes")
     _files(folder)
     return folder
-
-
-def refusal(overrides: list[str], output_dir: Path) -> str:
-    """The one line ``lp-train`` refuses ``overrides`` with, from the checks it runs before any rank, in its order
-    (empty when every check passes)."""
-    try:
-        check_trainer_overrides(overrides)
-        resumed = [o for o in overrides if o.startswith("resume=")]
-        if resumed:
-            overrides = resume_overrides(Path(resumed[0].split("=", 1)[1]), overrides)
-        check_overrides(overrides, str(CONFIG_DIR))
-        cfg = compose([*overrides, f"paths.output_dir={output_dir}"])
-        strategy, _ = preflight(cfg)
-        start = start_checkpoint(cfg)
-        check_start_readable(strategy, start)
-        check_start_model(cfg, start)
-    except ValueError as error:  # ConfigError is one
-        return str(error)
-    return ""
 
 
 @pytest.mark.parametrize(("name", "overrides", "fragments"), MISTAKES, ids=[m[0] for m in MISTAKES])
