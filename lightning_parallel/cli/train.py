@@ -36,6 +36,7 @@ from lightning_parallel.cli.report import log_final_hparams, write_metrics
 from lightning_parallel.cli.run_folder import discard_refused_folder, register_resolver
 from lightning_parallel.cli.sweep_summary import SweepSummary, record_failure
 from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.runtime import log as _log  # noqa: F401 - its console handler, set before Hydra logs
 from lightning_parallel.runtime import signals
 from lightning_parallel.runtime.config_dir import CONFIG_DIR as _CONFIG_DIR
 
