@@ -97,6 +97,18 @@ def instantiate_node(node: Any, **kwargs: Any) -> Any:
     return instantiate(node, **kwargs)
 
 
+def _fit(trainer: Any, model: Any, datamodule: Any, start: Optional[Path], trust_source: bool) -> None:
+    """``trainer.fit`` from ``start`` (None: a fresh start), reading a single-file checkpoint as the suite allows."""
+    from lightning_parallel.checkpoints.safe_loading import safe_globals
+
+    # Lightning reads a single-file checkpoint with torch's weights_only=True, which refused the run's own file when its
+    # hyper-parameters hold Hydra's containers (gpt_moe, the HF and DLRM recipes): the suite's allow-list admits them.
+    # trust_source=true: the user vouches for ckpt_path's pickled objects (weights_only=False runs what they hold).
+    with safe_globals():
+        trainer.fit(model, datamodule=datamodule, ckpt_path=str(start) if start else None,
+                    weights_only=False if trust_source else None)
+
+
 def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None,
           start: Optional[Path] = None, notes: Optional[dict[str, str]] = None) -> dict[str, float]:
     """Build everything from ``cfg`` and fit; returns the final metrics (same on every rank).
@@ -114,7 +126,6 @@ def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None
     import lightning.pytorch as pl
     from lightning.pytorch.utilities import rank_zero_only
 
-    from lightning_parallel.checkpoints.safe_loading import safe_globals
     from lightning_parallel.cli.report import result_rows, startup_table
     from lightning_parallel.cli.run_resume import describe_start
     from lightning_parallel.runtime.console import print_table
@@ -136,12 +147,7 @@ def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None
         rows = startup_table(cfg, strategy, layout, effective, logger, summary)
         print_table("lightning_parallel: run", rows + [("start", describe_start(start)), *(notes or {}).items()])
 
-    # Lightning reads a single-file checkpoint with torch's weights_only=True, which refused the run's own file when its
-    # hyper-parameters hold Hydra's containers (gpt_moe, the HF and DLRM recipes): the suite's allow-list admits them.
-    # trust_source=true: the user vouches for ckpt_path's pickled objects (weights_only=False runs what they hold).
-    with safe_globals():
-        trainer.fit(model, datamodule=datamodule, ckpt_path=str(start) if start else None,
-                    weights_only=False if cfg.get("trust_source") else None)
+    _fit(trainer, model, datamodule, start, bool(cfg.get("trust_source")))
     metrics = fit_metrics(trainer, datamodule)
     if rank_zero_only.rank == 0:
         print_table("lightning_parallel: result", result_rows(trainer, metrics, cfg))
