@@ -11,7 +11,8 @@ input of a reduce-scatter, the buffer of an all-reduce, broadcast, send or recei
 
 Note:
     torch's DDP reduces its buckets from C++ (its reducer calls the process group directly), out of the dispatcher's
-    sight: its all-reduces are added from DDP's own bucket arithmetic (:func:`ddp_buckets`), not counted here.
+    sight in a simulated rank, which runs without the wrapper (it cannot wrap a ``meta`` model): its all-reduces are
+    added from DDP's bucket arithmetic (:func:`ddp_buckets`). In a real run the counter sees them.
 """
 
 from __future__ import annotations
@@ -106,3 +107,26 @@ def summarize(calls: Iterable[tuple[str, str, int]]) -> list[dict[str, Any]]:
         counts[(kind, axis)] += 1
         total[(kind, axis)] += size
     return [{"kind": k, "axis": a, "count": counts[(k, a)], "bytes": total[(k, a)]} for k, a in counts]
+
+
+def ddp_buckets(parameters: Iterable[torch.Tensor], bucket_bytes: int) -> list[int]:
+    """Bytes of each bucket torch's DDP all-reduces in a step after its first (the buckets rebuilt then).
+
+    DDP fills buckets in the order gradients become ready (about the reverse of the parameters' order), one dtype
+    per bucket, closing a bucket once it holds ``bucket_bytes`` or more. Its first step reduces one bucket per dtype
+    (it does not bucket before it has seen the order), which a single bucket here also gives when everything fits.
+
+    Args:
+        parameters: the trainable parameters, in the module's order.
+        bucket_bytes: DDP's bucket capacity (``ParallelOptions.bucket_bytes``; 0: one bucket per parameter).
+    """
+    open_buckets: dict[torch.dtype, int] = {}
+    closed = []
+    for param in reversed(list(parameters)):
+        size = open_buckets.get(param.dtype, 0) + param.numel() * param.element_size()
+        if size >= max(bucket_bytes, 1):
+            closed.append(size)
+            open_buckets.pop(param.dtype, None)
+        else:
+            open_buckets[param.dtype] = size
+    return closed + list(open_buckets.values())

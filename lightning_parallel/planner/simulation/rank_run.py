@@ -119,19 +119,20 @@ def simulate_rank(rank: int, layout: ParallelLayout, options: ParallelOptions, f
                            build=BuildSettings(precision, simulated=True))
         record = _measure(rank, model, names, layout, options, precision)
         if batch is not None:
-            _step(record, model, done, meshes, batch)
+            _step(record, model, done, meshes, batch, precision)
         record.stages = tuple(done.stage_ids)
     record.seconds = time.perf_counter() - started
     return record
 
 
-def _step(record: RankRecord, model: nn.Module, done: Any, meshes: Any, batch: Callable[[], Any]) -> None:
+def _step(record: RankRecord, model: nn.Module, done: Any, meshes: Any, batch: Callable[[], Any],
+          precision: str) -> None:
     """One step's collectives and saved activations into ``record.extra`` (:mod:`.step`), or a note saying why not."""
     if done.pipelined:
         record.notes += (PIPELINE_STEP_NOTE,)
         return
     try:
-        step = run_step(model, done, meshes, batch())
+        step = run_step(model, done, meshes, batch(), precision)
     except NotImplementedError as error:  # an operator that needs values, e.g. MoE routing's bincount
         if "Meta" not in str(error):
             raise

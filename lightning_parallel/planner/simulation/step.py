@@ -26,8 +26,9 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
-from lightning_parallel.planner.simulation.collectives import CountCollectives, group_axes, summarize
+from lightning_parallel.planner.simulation.collectives import CountCollectives, ddp_buckets, group_axes, summarize
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def token_batch(batch_size: int, seq_len: int) -> tuple[Tensor, Tensor]:
     return tokens, tokens.clone()
 
 
-def run_step(model: nn.Module, done: Any, meshes: Any, batch: Any) -> StepRecord:
+def run_step(model: nn.Module, done: Any, meshes: Any, batch: Any, precision: str = "32-true") -> StepRecord:
     """Forward, loss and backward of ``batch`` on the parallelised ``model`` (the module docstring).
 
     Args:
@@ -57,6 +58,7 @@ def run_step(model: nn.Module, done: Any, meshes: Any, batch: Any) -> StepRecord
         done: what ``parallelize`` returned (adapter, context split, options).
         meshes: the run's meshes (to name each collective's mesh axis).
         batch: one batch of this rank as the data loader gives it (before context parallelism splits it).
+        precision: the Trainer's precision name (whether the data axis is DDP).
     """
     from lightning_parallel import _compat
     from lightning_parallel.parallel.tensor.plan import loss_parallel_context
@@ -69,13 +71,27 @@ def run_step(model: nn.Module, done: Any, meshes: Any, batch: Any) -> StepRecord
     saved = _SavedTensors(model)
     parallel_loss = loss_parallel_context(True) if done.options.loss_parallel else nullcontext()
     with _compat.fsdp2_step_on_meta(model), counter, parallel_loss:
-        with saved.counting():
+        with saved.counting(), FusedAttention():
             loss = loss_fn(model(inputs), targets)
         loss = loss[0] if isinstance(loss, tuple) else loss
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
         loss.backward()
         _reduce_experts(model, meshes, done.options)
-    return StepRecord(tuple(summarize(counter.calls)), saved.total())
+    calls = counter.calls + _ddp_calls(model, meshes, done.options, precision)
+    return StepRecord(tuple(summarize(calls)), saved.total())
+
+
+def _ddp_calls(model: nn.Module, meshes: Any, options: Any, precision: str) -> list[tuple[str, str, int]]:
+    """DDP's bucket all-reduces where the data axis is torch's DDP (simulated without it: :mod:`.collectives`)."""
+    from lightning_parallel.layout import DATA_CONTEXT, DATA_PARALLEL
+    from lightning_parallel.parallel.replicated import replicates_plain
+
+    layout = meshes.layout
+    if not replicates_plain(layout, options, precision):
+        return []
+    axis = DATA_CONTEXT if layout.context_parallel_enabled else DATA_PARALLEL
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [("all_reduce", axis, size) for size in ddp_buckets(trainable, options.bucket_bytes)]
 
 
 def _reduce_experts(model: nn.Module, meshes: Any, options: Any) -> None:
@@ -89,6 +105,31 @@ def _reduce_experts(model: nn.Module, meshes: Any, options: Any) -> None:
     sharded = options.expert_data_shard and layout.data_context // layout.expert_parallel > 1
     if not sharded:
         reduce_expert_gradients(model, meshes.group(EXPERT_DATA), layout.data_context)
+
+
+class FusedAttention(TorchFunctionMode):
+    """``scaled_dot_product_attention`` on ``meta`` runs the fused (flash) kernel a device runs, not the math path.
+
+    torch picks the math path for ``meta`` tensors, which saves the ``s x s`` attention weights for backward; the
+    fused kernels of a GPU (and the CPU's flash kernel of a real CPU run) save the output and a log-sum-exp per query
+    instead. Calls a fused kernel would not take (dropout, grouped heads) run as they are.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and _fusable(*args, **kwargs):
+            query, key, value = args[:3]
+            output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, 0.0, bool(kwargs.get("is_causal", False)), attn_mask=kwargs.get("attn_mask"),
+                scale=kwargs.get("scale"))
+            return output
+        return func(*args, **kwargs)
+
+
+def _fusable(query: Tensor, key: Tensor, value: Tensor, *rest: Any, **kwargs: Any) -> bool:
+    """Whether an attention call is on ``meta``, given by keywords only, without dropout and with equal heads."""
+    return (query.device.type == "meta" and not rest and not kwargs.get("dropout_p") and not kwargs.get("enable_gqa")
+            and query.shape[:-2] == key.shape[:-2] == value.shape[:-2])
 
 
 class _SavedTensors:
