@@ -29,6 +29,7 @@ LAYOUTS = {
     "pipeline 2": partial(Hybrid, pipeline_parallel_size=2, data_parallel_size=1),
     "data 2 (ZeRO 3)": partial(Hybrid, data_parallel_size=2, zero_stage=3),
 }
+EXTENDED = pytest.mark.extended  # the suite's time budget: one cell of each test in the default run
 
 
 def _fit(root, strategy, async_save, ckpt_path=None, seed=0, only_last=False):
@@ -56,7 +57,7 @@ def _async_then_resume(rank, world_size, strategy, root):
             "left": sorted(p.name for p in (root / "async").iterdir())}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", ["pipeline 2", pytest.param("data 2 (ZeRO 3)", marks=EXTENDED)])
 def test_async_checkpoints_resume_as_synchronous_ones_do(layout, tmp_path):
     results = run_processes(_async_then_resume, 2, LAYOUTS[layout], str(tmp_path), timeout=600)
     for result in results:
@@ -101,7 +102,8 @@ def _resume(rank, world_size, strategy, root, ckpt_path):
             "resumed": _fit(Path(root) / "resumed", strategy, True, ckpt_path=ckpt_path, seed=1)}
 
 
-@pytest.mark.parametrize("point", ["staging", "writing shards", "before the commit"])
+@pytest.mark.parametrize("point", ["writing shards", pytest.param("staging", marks=EXTENDED),
+                                   pytest.param("before the commit", marks=EXTENDED)])
 def test_a_process_killed_during_an_async_save_leaves_the_previous_checkpoint_to_resume(point, tmp_path):
     strategy = LAYOUTS["pipeline 2"]
     with pytest.raises(DistributedRunError):

@@ -93,6 +93,7 @@ def test_muon_on_two_ranks_gives_one_process_parameters(references):
     assert all(w < TOL for w in worst.values()), worst
 
 
+@pytest.mark.extended  # the suite's time budget; two ranks (ZeRO 3, tensor, experts) run by default
 def test_muon_on_four_ranks_gives_one_process_parameters(references):
     worst = _worst(run_processes(_fit, 4, FOUR, timeout=900), {k: references[k] for k in FOUR})
     print("max |parameter - one process|:", worst)
@@ -146,7 +147,8 @@ def _fit_hf(rank, world_size, options):
 
 
 @pytest.mark.parametrize("options", [dict(data_parallel_size=2, zero_stage=3),
-                                     dict(data_parallel_size=1, tensor_parallel_size=2)], ids=["zero3", "tensor2"])
+                                     pytest.param(dict(data_parallel_size=1, tensor_parallel_size=2),
+                                                  marks=pytest.mark.extended)], ids=["zero3", "tensor2"])
 def test_muon_on_a_hugging_face_llama_gives_one_process_parameters(options):
     pytest.importorskip("transformers")
     reference = run_processes(_fit_hf, 1, options, timeout=600)[0]

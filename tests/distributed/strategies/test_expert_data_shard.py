@@ -99,6 +99,7 @@ def _uninterrupted(rank, world_size):
     return _epochs(world_size, "auto", 2)
 
 
+@pytest.mark.extended  # the suite's time budget (65 s here); the parity test above runs by default
 def test_checkpoints_reshard_between_expert_data_sharded_and_whole_experts(tmp_path):
     """Saved under data 2 x expert 2 (experts whole) and resumed under data 4 x expert 2 with the experts sharded
     over their expert-data ranks, and the other way round: the uninterrupted one-process losses both times."""
