@@ -101,8 +101,9 @@ def _missing_key(cfg: DictConfig, key: str) -> Optional[tuple[list[str], int, li
             return None  # an index into a list: Hydra's own message is precise
         if not OmegaConf.is_dict(node):
             return parts, depth, []
-        if part not in node:
-            return parts, depth, [str(k) for k in node.keys()]
+        names = [str(k) for k in node.keys()]
+        if part not in names:  # not `part in node`: a DictConfig answers False for a key whose value is null
+            return parts, depth, names
         node = node[part]
     return None
 
@@ -139,6 +140,9 @@ def _key_error(key: str, value: str, missing: tuple[list[str], int, list[str]], 
                 f"it: add {group}={best} (a '+' would pass it to {chosen or 'the current choice'}, which does "
                 "not take it).")
     parent = ".".join(parts[:depth]) or "the config"
+    if not siblings and depth and OmegaConf.select(cfg, parent) is None:  # a null node: set it whole
+        rest = ".".join(parts[depth:])
+        return f"{key} is not a setting{of}: {parent} is null; give it whole, e.g. {parent}={{{rest}:{value}}}."
     if not siblings:
         return f"{key} is not a setting{of}: {parent} takes no settings there."
     listed = ", ".join(siblings[:12]) + (", ..." if len(siblings) > 12 else "")

@@ -66,3 +66,14 @@ def test_valid_command_lines_pass(overrides):
 def test_a_key_another_override_adds_is_a_key():
     _check("+model.moe={num_experts:2}", "model.moe.num_experts=4")
     _check("~callbacks.evaluation", "trainer.max_steps=3")
+
+
+def test_a_key_under_a_null_setting_says_to_give_the_setting_whole():
+    with pytest.raises(ValueError, match=r"strategy\.plan is null; give it whole, e\.g\. strategy\.plan=\{foo:1\}"):
+        _check("strategy=hybrid", "strategy.plan.foo=1")
+
+
+def test_a_short_unknown_key_gets_no_far_fetched_suggestion_but_the_option_that_has_it():
+    with pytest.raises(ValueError) as caught:
+        _check("model.moe.num_experts=4")  # gpt has no moe setting; d_model is no typo of it
+    assert "did you mean" not in str(caught.value) and "model=gpt_moe has it: add model=gpt_moe" in str(caught.value)
