@@ -89,12 +89,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def plan_from_args(args: argparse.Namespace) -> tuple[Plan, Any, int]:
     """The plan the command line asks for, the composed config, and the device count per node."""
+    from lightning_parallel.cli.overrides_check import check_overrides
     from lightning_parallel.cli.preflight import world_size_of
     from lightning_parallel.planner.cluster import load_cluster
     from lightning_parallel.planner.hf_shapes import named_shape
     from lightning_parallel.planner.shapes import LLAMA3, llama3_shape
-
-    from lightning_parallel.cli.overrides_check import check_overrides
 
     check_overrides(list(args.overrides), str(CONFIG_DIR))  # did-you-mean, as lp-train (ValueError: exit 2)
     cfg = compose(list(args.overrides))
@@ -114,9 +113,9 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, Any, int]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Console entry point (``lp-plan``)."""
-    from lightning_parallel.planner.table import print_plan
-
     from hydra.errors import HydraException
+
+    from lightning_parallel.planner.table import print_plan
 
     args = _parser().parse_args(argv)
     try:
