@@ -26,7 +26,8 @@ Touch points, by package:
   and for TorchRec (torch's optimizer in backward) :func:`in_backward_optimizer_settings`.
 * DeepSpeed: :func:`zero_merge_trainable_params`, :func:`zero3_param_coordinator`.
 * transformers: :func:`hf_class_plans`, :func:`hf_init_weights`, :func:`hf_checkpoint_conversions`,
-  :func:`hf_rename_checkpoint_key`, :func:`attention_implementation`, :func:`can_set_attention_implementation`.
+  :func:`hf_rename_checkpoint_key`, :func:`hf_masks_on_meta`,
+  :func:`attention_implementation`, :func:`can_set_attention_implementation`.
 """
 
 from lightning_parallel._compat.deepspeed_internals import zero3_param_coordinator, zero_merge_trainable_params
@@ -64,6 +65,7 @@ from lightning_parallel._compat.transformers_internals import (
     hf_checkpoint_conversions,
     hf_class_plans,
     hf_init_weights,
+    hf_masks_on_meta,
     hf_rename_checkpoint_key,
 )
 
@@ -72,7 +74,8 @@ __all__ = [
     "can_set_attention_implementation", "dcp_metadata_path", "dcp_set_element", "drop_loader_position",
     "drop_per_step_sigterm_broadcast", "epoch_end_loop_progress", "fit_loop_state", "fit_loop_train_dataloader",
     "fsdp2_step_on_meta", "clear_dtensor_caches",
-    "grouped_mm", "hf_checkpoint_conversions", "hf_class_plans", "hf_init_weights", "hf_rename_checkpoint_key",
+    "grouped_mm", "hf_checkpoint_conversions", "hf_class_plans", "hf_init_weights",
+    "hf_masks_on_meta", "hf_rename_checkpoint_key",
     "in_backward_optimizer_settings", "init_deepspeed_distributed", "init_fake_process_group",
     "init_model_parallel_process_group",
     "keep_lr_scheduler_marker", "load_planner_target", "optimizers_to_device", "remove_module_hooks",

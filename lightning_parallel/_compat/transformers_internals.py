@@ -7,6 +7,8 @@ Each touch point says why it is private; ``tests/unit/test_compat.py`` has a can
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 from torch import nn
@@ -93,3 +95,29 @@ def hf_rename_checkpoint_key(
     from transformers.core_model_loading import rename_source_key
 
     return rename_source_key(key, renamings, converters, base_model_prefix, model_keys)
+
+
+@contextmanager
+def hf_masks_on_meta() -> Iterator[None]:
+    """Inside, transformers builds a causal mask for ``meta`` token positions without reading their values
+    (lp-simulate's step on ``meta``: rows without padding and one document each).
+
+    Why private: ``masking_utils.find_packed_sequence_indices`` reads the positions' values to tell packed documents
+    apart (``.all()``), which ``meta`` tensors have none of; inside it answers "one document per row" for ``meta``
+    positions, and calls the original otherwise.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:  # no transformers: nothing to patch
+        yield
+        return
+    original = masking_utils.find_packed_sequence_indices
+
+    def one_document_on_meta(position_ids: Any) -> Any:
+        return None if position_ids.device.type == "meta" else original(position_ids)
+
+    masking_utils.find_packed_sequence_indices = one_document_on_meta
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original

@@ -90,7 +90,7 @@ def run(overrides: list[str], cluster_name: str, out: Optional[str]) -> tuple[An
         simulation = simulate(lambda: instantiate(cfg.model), options, world_size_of(cfg),
                               num_nodes=int(cfg.trainer.num_nodes),
                               precision=_UNIFIED_PRECISION.get(precision, precision),
-                              device_memory=cluster.memory_per_device, names=SETTING_NAMES)
+                              device_memory=cluster.memory_per_device, names=SETTING_NAMES, batch=_batch(cfg))
     except ValueError as exc:
         raise ConfigError(qualified(str(exc))) from exc
     simulation.settings.update(cluster=cluster.name, layout_checked=layout.describe())
@@ -99,6 +99,20 @@ def run(overrides: list[str], cluster_name: str, out: Optional[str]) -> tuple[An
     path = folder / "simulation.json"
     path.write_text(json.dumps(simulation.to_json(), indent=1))
     return simulation, path
+
+
+def _batch(cfg: Any) -> Optional[Any]:
+    """One rank's batch on ``meta`` for the simulated step: token ids of ``data.batch_size`` x ``data.seq_len``
+    (dict batches for the Hugging Face data modules); None (no step) for data that is not token sequences."""
+    from functools import partial
+
+    from lightning_parallel.planner.simulation.step import token_batch
+
+    data = cfg.get("data") or {}
+    size, seq_len = data.get("batch_size"), data.get("seq_len")
+    if size is None or seq_len is None:
+        return None
+    return partial(token_batch, int(size), int(seq_len), "hf" in str(data.get("_target_", "")))
 
 
 def _run_folder(overrides: list[str]) -> Path:
@@ -130,8 +144,15 @@ def print_simulation(simulation: Any, path: Path) -> None:
     padding = max(result.padding_bytes for result in simulation.classes)
     console.print(f"FSDP2 padding: up to {padding / 2**20:,.2f} MiB per rank beyond the local shapes (in params MiB)")
     verdict = {None: "no cluster memory given", True: "fits", False: "does NOT fit"}[simulation.fits]
-    console.print(f"whole-world check passed ({simulation.elements_checked:,} parameter elements); activations not "
-                  f"measured; {verdict}; {simulation.seconds:.1f} s; wrote {path}")
+    for index, result in enumerate(simulation.classes):
+        if result.collectives:
+            calls = ", ".join(f"{c['kind']} {c['axis']} {c['count']}x {c['bytes'] / 2**20:,.1f} MiB"
+                              for c in result.collectives)
+            console.print(f"class {index} step collectives: {calls}", overflow="fold")
+    measured = all(result.activation_bytes is not None for result in simulation.classes)
+    console.print(f"whole-world check passed ({simulation.elements_checked:,} parameter elements); activations "
+                  f"{'measured' if measured else 'not measured in every class (notes)'}; {verdict}; "
+                  f"{simulation.seconds:.1f} s; wrote {path}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -162,6 +162,42 @@ def test_fake_process_group_plays_one_rank_of_a_large_world():
         dist.destroy_process_group()
 
 
+def test_fsdp2_step_on_meta_runs_forward_and_backward_of_a_meta_model_in_the_fake_world():
+    """``fsdp2_step_on_meta`` (FSDP2's param group ``device``/``_validate_no_meta_params``, the modules'
+    ``_get_device_handle``, ``foreach_reduce``'s HSDP event) and ``clear_dtensor_caches``: a ZeRO-3 and an HSDP unit
+    on ``meta`` run a step; gradients are ``meta`` shards; everything is restored after."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this test process")
+    _compat.init_fake_process_group(0, 4)
+    try:
+        for shape, names in (((4,), ("shard",)), ((2, 2), ("replicate", "shard"))):
+            with torch.device("meta"):
+                model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+            fully_shard(model, mesh=init_device_mesh("cpu", shape, mesh_dim_names=names))
+            with _compat.fsdp2_step_on_meta(model):
+                model(torch.randn(2, 8, device="meta")).sum().backward()
+            assert all(p.grad.to_local().device.type == "meta" for p in model.parameters())
+            group = model._get_fsdp_state()._fsdp_param_group
+            assert group.device.type == "cpu" and "_validate_no_meta_params" not in group.__dict__
+    finally:
+        dist.destroy_process_group()
+        _compat.clear_dtensor_caches()
+
+
+def test_hf_masks_on_meta_answers_one_document_per_row():
+    """``hf_masks_on_meta``: transformers' ``masking_utils.find_packed_sequence_indices`` reads position values."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    original = masking_utils.find_packed_sequence_indices
+    with _compat.hf_masks_on_meta():
+        assert masking_utils.find_packed_sequence_indices(torch.zeros(2, 4, dtype=torch.long, device="meta")) is None
+        assert masking_utils.find_packed_sequence_indices(torch.arange(4).repeat(2, 1)) is None
+    assert masking_utils.find_packed_sequence_indices is original
+
+
 def test_dcp_set_element_exists():
     from torch.distributed.checkpoint._traverse import set_element
 

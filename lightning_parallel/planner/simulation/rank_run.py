@@ -133,11 +133,12 @@ def _step(record: RankRecord, model: nn.Module, done: Any, meshes: Any, batch: C
         return
     try:
         step = run_step(model, done, meshes, batch(), precision)
-    except NotImplementedError as error:  # an operator that needs values, e.g. MoE routing's bincount
-        if "Meta" not in str(error):
+    except (NotImplementedError, RuntimeError) as error:  # code that needs values: MoE routing, HF mask checks
+        if "meta tensor" not in str(error).lower():
             raise
-        record.notes += (f"step not simulated: {str(error).splitlines()[0][:120]} (values are needed, e.g. the "
-                         "token counts of MoE routing); activations and collectives not measured",)
+        record.notes += (f"step not simulated: {str(error).splitlines()[0][:120]} (the step reads "
+                         "values, e.g. MoE routing's token counts, transformers' mask checks); activations and "
+                         "collectives not measured",)
         return
     record.extra.update(activation_bytes=step.activation_bytes, collectives=step.collectives)
 

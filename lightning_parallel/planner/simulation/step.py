@@ -19,14 +19,13 @@ Note:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from lightning_parallel.planner.simulation.collectives import CountCollectives, ddp_buckets, group_axes, summarize
 
@@ -44,9 +43,19 @@ class StepRecord:
     activation_bytes: int
 
 
-def token_batch(batch_size: int, seq_len: int) -> tuple[Tensor, Tensor]:
-    """``(inputs, targets)`` token ids of ``batch_size`` sequences of ``seq_len`` on ``meta`` (a language model's)."""
+def token_batch(batch_size: int, seq_len: int, as_dict: bool = False) -> Any:
+    """Token ids of ``batch_size`` sequences of ``seq_len`` on ``meta``, as a language model's loader gives them.
+
+    Args:
+        batch_size: sequences (one data-parallel rank's batch).
+        seq_len: tokens per sequence.
+        as_dict: a Hugging Face batch (``input_ids``, ``labels``) instead of ``(inputs, targets)``; without an
+            attention mask (transformers reads a mask's values to choose its attention path, which ``meta`` has
+            none of): every token attends causally, as in packed rows.
+    """
     tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    if as_dict:
+        return {"input_ids": tokens, "labels": tokens.clone()}
     return tokens, tokens.clone()
 
 
@@ -70,9 +79,10 @@ def run_step(model: nn.Module, done: Any, meshes: Any, batch: Any, precision: st
     counter = CountCollectives(group_axes(meshes))
     saved = _SavedTensors(model)
     parallel_loss = loss_parallel_context(True) if done.options.loss_parallel else nullcontext()
-    with _compat.fsdp2_step_on_meta(model), counter, parallel_loss:
-        with saved.counting(), FusedAttention():
-            loss = loss_fn(model(inputs), targets)
+    # Fused attention in backward too: activation checkpointing recomputes the forward there.
+    with _compat.fsdp2_step_on_meta(model), _compat.hf_masks_on_meta(), counter, parallel_loss, fused_attention():
+        with saved.counting():
+            loss = loss_fn(model(**inputs) if isinstance(inputs, Mapping) else model(inputs), targets)
         loss = loss[0] if isinstance(loss, tuple) else loss
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
         loss.backward()
@@ -107,23 +117,35 @@ def _reduce_experts(model: nn.Module, meshes: Any, options: Any) -> None:
         reduce_expert_gradients(model, meshes.group(EXPERT_DATA), layout.data_context)
 
 
-class FusedAttention(TorchFunctionMode):
-    """``scaled_dot_product_attention`` on ``meta`` runs the fused (flash) kernel a device runs, not the math path.
+@contextmanager
+def fused_attention() -> Iterator[None]:
+    """Inside, ``scaled_dot_product_attention`` on ``meta`` runs the fused (flash) kernel a device runs, not the math
+    path.
 
     torch picks the math path for ``meta`` tensors, which saves the ``s x s`` attention weights for backward; the
     fused kernels of a GPU (and the CPU's flash kernel of a real CPU run) save the output and a log-sum-exp per query
-    instead. Calls a fused kernel would not take (dropout, grouped heads) run as they are.
+    instead. Calls a fused kernel would not take (dropout, grouped heads) and tensors not on ``meta`` run as they
+    are. The function is swapped where models look it up (``torch.nn.functional``), not through a function mode:
+    activation checkpointing's recomputation in backward must take the same path, and it runs outside a mode
+    entered around the forward.
     """
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention and _fusable(*args, **kwargs):
-            query, key, value = args[:3]
-            output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query, key, value, 0.0, bool(kwargs.get("is_causal", False)), attn_mask=kwargs.get("attn_mask"),
-                scale=kwargs.get("scale"))
-            return output
-        return func(*args, **kwargs)
+    def attention(*args: Any, **kwargs: Any) -> Any:
+        if not _fusable(*args, **kwargs):
+            return original(*args, **kwargs)
+        query, key, value = args[:3]
+        output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, bool(kwargs.get("is_causal", False)), attn_mask=kwargs.get("attn_mask"),
+            scale=kwargs.get("scale"))
+        return output
+
+    functional.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original
 
 
 def _fusable(query: Tensor, key: Tensor, value: Tensor, *rest: Any, **kwargs: Any) -> bool:

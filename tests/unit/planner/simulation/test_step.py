@@ -1,0 +1,79 @@
+"""The simulated step on ``meta``: its collectives by kind and axis, the activations autograd saves (linear in the
+batch, smaller under activation checkpointing), DDP's buckets, and a note where a step cannot run on ``meta``."""
+
+from functools import partial
+
+import torch
+
+from examples.nlp.model import GPT
+from lightning_parallel.parallel.options import ParallelOptions
+from lightning_parallel.planner import simulate
+from lightning_parallel.planner.simulation.collectives import ddp_buckets, summarize
+from lightning_parallel.planner.simulation.step import token_batch
+
+tiny = partial(GPT, d_model=32, n_head=2, n_layer=2, seq_len=64, optimizer=partial(torch.optim.AdamW, lr=1e-3),
+               warmup_steps=0)
+
+
+def options(**sizes) -> ParallelOptions:
+    return ParallelOptions(**{"pipeline_parallel_size": 1, "tensor_parallel_size": 1, **sizes})
+
+
+def step_of(batch: int, seq: int = 64, **sizes):
+    return simulate(tiny, options(**sizes), 4, batch=partial(token_batch, batch, seq)).classes[0]
+
+
+def test_zero3_gathers_each_unit_twice_and_reduce_scatters_it_once_over_the_data_axis():
+    found = {(c["kind"], c["axis"]): c for c in step_of(2, data_parallel_size=4, zero_stage=3).collectives}
+
+    gathers, scatters = found[("all_gather", "data_parallel")], found[("reduce_scatter", "data_parallel")]
+    assert gathers["count"] == 2 * scatters["count"]  # forward and backward under ZeRO 3; one reduce-scatter
+    assert gathers["bytes"] == 2 * scatters["bytes"]  # each unit's whole (padded) parameters, in fp32 both ways
+
+
+def test_tensor_parallel_all_reduces_are_on_the_tensor_axis_and_grow_with_the_batch():
+    small = {(c["kind"], c["axis"]): c for c in step_of(2, data_parallel_size=2, tensor_parallel_size=2,
+                                                         zero_stage=3).collectives}
+    large = {(c["kind"], c["axis"]): c for c in step_of(4, data_parallel_size=2, tensor_parallel_size=2,
+                                                         zero_stage=3).collectives}
+
+    key = ("all_reduce", "tensor_parallel")
+    assert small[key]["count"] == large[key]["count"] > 0
+    assert large[key]["bytes"] == 2 * small[key]["bytes"]  # activations: linear in the batch
+    assert large[("all_gather", "data_parallel")] == small[("all_gather", "data_parallel")]  # parameters: not
+
+
+def test_activations_are_linear_in_the_batch_and_checkpointing_keeps_fewer():
+    one, two = step_of(2, data_parallel_size=4, zero_stage=2), step_of(4, data_parallel_size=4, zero_stage=2)
+    full = step_of(4, data_parallel_size=4, zero_stage=2, activation_checkpointing="full")
+
+    assert abs(two.activation_bytes - 2 * one.activation_bytes) <= 0.01 * two.activation_bytes
+    assert full.activation_bytes < two.activation_bytes / 2
+    assert two.peak_bytes == (two.parameter_bytes + two.gradient_bytes + two.optimizer_bytes + two.gathered_bytes
+                              + two.activation_bytes)
+
+
+def test_ddp_buckets_fill_in_reverse_order_up_to_the_capacity_per_dtype():
+    params = [torch.empty(100), torch.empty(300), torch.empty(50, dtype=torch.float64)]
+
+    # reversed: the float64 tensor opens its own bucket; 300 floats close one (1200 >= 1000); 100 floats stay open
+    assert ddp_buckets(params, 1_000) == [1200, 400, 400]
+    assert ddp_buckets(params, 0) == [400, 1200, 400]  # one bucket per parameter
+    assert summarize([("all_reduce", "data_parallel", 5), ("all_reduce", "data_parallel", 7)]) == [
+        {"kind": "all_reduce", "axis": "data_parallel", "count": 2, "bytes": 12}]
+
+
+def test_the_ddp_path_reduces_its_buckets_over_the_data_axis():
+    found = step_of(2, data_parallel_size=4).collectives
+
+    assert [(c["kind"], c["axis"]) for c in found] == [("all_reduce", "data_parallel")]
+    assert found[0]["bytes"] == step_of(2, data_parallel_size=4).parameter_bytes
+
+
+def test_a_step_that_needs_values_is_left_out_with_a_note():
+    moe = partial(tiny, moe={"every": 2, "num_experts": 4, "top_k": 2, "aux_loss_weight": 0.01})
+    found = simulate(moe, options(data_parallel_size=4, expert_parallel_size=2), 4,
+                     batch=partial(token_batch, 2, 64)).classes[0]
+
+    assert found.activation_bytes is None and found.collectives == ()
+    assert any("step not simulated" in note for note in found.notes)
