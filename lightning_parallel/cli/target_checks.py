@@ -68,6 +68,26 @@ def _locate(path: str, target_name: str) -> Any:
                      "and that its package is installed.")
 
 
+def check_built_nodes(cfg: DictConfig) -> None:
+    """``model``, ``data`` and a ``strategy`` given as settings must name what builds them (``_target_``).
+
+    ``strategy=single +strategy.microbatches=2`` turned Lightning's ``auto`` into ``{microbatches: 2}``, which reached
+    the Trainer as a strategy.
+
+    Raises:
+        ValueError: the node, its keys and the fix.
+    """
+    for name in ("model", "data", "strategy"):
+        node = cfg.get(name)
+        if name == "strategy" and OmegaConf.is_dict(node) and node.get("planned"):
+            continue  # strategy=planned: the planner puts the built strategy in its place (cli/planned.py)
+        if OmegaConf.is_dict(node) and "_target_" not in node:
+            keys = ", ".join(str(k) for k in node.keys())
+            raise ValueError(f"{name} has settings ({keys}) but no _target_ to build it with: the {name} chosen "
+                             f"takes no settings (strategy=single is Lightning's own 'auto'); drop them, or choose "
+                             f"a {name} that has them.")
+
+
 def check_targets(cfg: DictConfig) -> None:
     """Refuse a key the target of its node does not take, or a ``_target_`` that cannot be imported.
 
@@ -77,6 +97,7 @@ def check_targets(cfg: DictConfig) -> None:
     Raises:
         ValueError: ``model.dropuot is not an argument of ...GPT: did you mean model.dropout?``
     """
+    check_built_nodes(cfg)
     for path, node in _targets(OmegaConf.to_container(cfg, resolve=False), ""):
         target_name = node.get("_target_")
         if not isinstance(target_name, str) or "${" in target_name:

@@ -32,6 +32,8 @@ MISTAKES = [
     ("trainer key typo", "trainer.max_step=5", ["did you mean trainer.max_steps=5?"]),
     ("added model argument typo", "+model.dropuot=0.1", ["model.dropuot is not an argument", "model.dropout?"]),
     ("added optimizer argument typo", "+model.optimizer.lrr=1", ["did you mean model.optimizer.lr?"]),
+    ("Hydra's '+' on a strategy given by name", "strategy=single +strategy.microbatches=2",
+     ["strategy has settings (microbatches) but no _target_"]),
     ("optimizer class typo", "model.optimizer._target_=torch.optim.Adamw", ["cannot be imported"]),
     ("added strategy option typo", "strategy=hybrid trainer.devices=4 +strategy.tensor_paralel_size=2",
      ["tensor_paralel_size", "did you mean 'tensor_parallel_size'?"]),

@@ -32,3 +32,9 @@ def test_every_option_of_every_group_passes():
                    for option in loader.get_group_options(group)]
     for group, option in choices:
         check_targets(compose([f"{group}={option}"]))
+
+
+def test_settings_added_to_a_strategy_given_by_name_are_refused():
+    with pytest.raises(ValueError, match=r"^strategy has settings \(microbatches\) but no _target_ .* choose a "
+                                         r"strategy that has them\.$"):
+        check_targets(compose(["strategy=single", "+strategy.microbatches=2"]))
