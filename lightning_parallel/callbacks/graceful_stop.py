@@ -76,6 +76,13 @@ class GracefulStop(pl.Callback):
         signals.take_handlers()
         _compat.drop_per_step_sigterm_broadcast(trainer)
 
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning registers its own SIGTERM handler after on_fit_start (Trainer._run), so the handlers are taken
+        # back here too: a SIGTERM sent to a rank directly (torchrun, SLURM, Kubernetes) ran Lightning's handler, a
+        # broadcast from inside the handler, and the other ranks timed out instead of stopping (the fault matrix).
+        signals.take_handlers()
+
     def _any_rank_asked(self, trainer: pl.Trainer) -> bool:
         """At an agreed step: whether any rank was asked to stop (during the probe steps also the slowest step)."""
         probing = self.interval is None

@@ -15,6 +15,7 @@ from typing_extensions import override
 from lightning_parallel.runtime import rank_record
 
 MARK = "Where the ranks were"
+LOST_PEER = ("timed out", "timeout", "connection closed by peer", "connection reset by peer")
 
 
 class RankRecorder(pl.Callback):
@@ -69,10 +70,10 @@ class RankRecorder(pl.Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         told = str(exception) + "".join(getattr(exception, "__notes__", []))
-        # gloo says "Timed out waiting 5000ms for recv" or, for a peer that closed, "Application timeout caused pair
-        # closure"; any other failure is not a rank that failed to arrive.
-        timed_out = any(word in told.lower() for word in ("timed out", "timeout"))
-        if self.record is not None and timed_out and MARK not in told:
+        # gloo says "Timed out waiting 5000ms for recv", "Application timeout caused pair closure" or, for a peer
+        # whose process died, "Connection closed by peer"; any other failure is not a rank that failed to arrive.
+        lost = any(word in told.lower() for word in LOST_PEER)
+        if self.record is not None and lost and MARK not in told:
             exception.add_note(self.record.where_others_were(self.settle_s))
 
     @override

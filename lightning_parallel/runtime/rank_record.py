@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from datetime import timedelta
 from typing import Any, Optional
@@ -74,7 +75,8 @@ class RankRecord:
         """Publish that this rank entered ``phase`` of ``step`` now."""
         if phase not in PHASES + (SETUP, FINISHED):
             raise ValueError(f"Unknown phase {phase!r}: choose one of {PHASES + (SETUP, FINISHED)}.")
-        self.own = {"phase": phase, "step": int(step), "t": time.time(), "timed_out": False}
+        self.own = {"phase": phase, "step": int(step), "t": time.time(), "timed_out": False, "pid": os.getpid(),
+                    "host": socket.gethostname()}
         self.store.set(_PREFIX + str(self.rank), json.dumps(self.own))
 
     def read(self) -> dict[int, Optional[dict[str, Any]]]:
@@ -111,6 +113,37 @@ class RankRecord:
             time.sleep(0.1)
 
 
+def _gone(entry: dict[str, Any]) -> str:
+    """" (process N is gone)" for a rank on this host whose process no longer exists, else ""."""
+    if entry.get("host") != socket.gethostname() or not entry.get("pid"):
+        return ""
+    try:
+        os.kill(int(entry["pid"]), 0)
+    except ProcessLookupError:
+        return f" (process {entry['pid']} is gone)"
+    except OSError:  # alive, owned by another user
+        return ""
+    return ""
+
+
+def _about(other: int, entry: Optional[dict[str, Any]], own: dict[str, Any], now: float) -> tuple[str, str]:
+    """``(kind, sentence)`` for one other rank: kind ``behind``, ``stuck``, ``waited`` or ``ahead``."""
+    if entry is None:
+        return "behind", f"rank {other} never recorded a phase (still starting, or lost before setup)"
+    gone, ago = _gone(entry), now - entry["t"]
+    if _position(entry) < _position(own):
+        verb = f"died{gone} before reaching" if gone else "never reached"
+        return "behind", f"rank {other} {verb} {_where(own)} (last seen: {_where(entry)}, {ago:.1f} s ago)"
+    if entry["timed_out"]:
+        return "waited", ""
+    if _position(entry) == _position(own):
+        if gone:
+            return "stuck", f"rank {other} died{gone} in {_where(entry)} (entered {ago:.1f} s ago)"
+        return "stuck", (f"rank {other} is in {_where(entry)} too but did not time out: stuck inside it "
+                         f"(entered {ago:.1f} s ago)")
+    return "ahead", ""
+
+
 def describe(records: dict[int, Optional[dict[str, Any]]], rank: int, now: float) -> str:
     """The sentence naming the ranks behind ``rank``'s record, from every rank's record.
 
@@ -120,25 +153,17 @@ def describe(records: dict[int, Optional[dict[str, Any]]], rank: int, now: float
         now: the wall-clock time to measure "ago" from.
     """
     own = records[rank]
-    behind, stuck, waited = [], [], []
+    found: dict[str, list] = {"behind": [], "stuck": [], "waited": [], "ahead": []}
     for other, entry in sorted(records.items()):
-        if other == rank:
-            continue
-        if entry is None:
-            behind.append(f"rank {other} never recorded a phase (still starting, or lost before setup)")
-        elif _position(entry) < _position(own):
-            behind.append(f"rank {other} never reached {_where(own)} (last seen: {_where(entry)}, "
-                          f"{now - entry['t']:.1f} s ago)")
-        elif entry["timed_out"]:
-            waited.append(other)
-        elif _position(entry) == _position(own):
-            stuck.append(f"rank {other} is in {_where(entry)} too but did not time out: stuck inside it "
-                         f"(entered {now - entry['t']:.1f} s ago)")
-    if not behind and not stuck:
+        if other != rank:
+            kind, sentence = _about(other, entry, own, now)
+            found[kind].append(sentence if kind in ("behind", "stuck") else other)
+    if not found["behind"] and not found["stuck"]:
         return (f"Where the ranks were: every rank reached {_where(own)}; none is behind (a collective that differs "
                 f"between ranks, or a broken connection, rather than a lost rank).")
+    waited = found["waited"]
     also = f"; ranks {', '.join(map(str, [rank, *waited]))} timed out waiting there" if waited else ""
-    return "Where the ranks were: " + "; ".join(behind + stuck) + also + "."
+    return "Where the ranks were: " + "; ".join(found["behind"] + found["stuck"]) + also + "."
 
 
 def install(record: Optional[RankRecord]) -> None:

@@ -60,3 +60,18 @@ def test_a_store_that_is_gone_is_reported_not_raised():
 def test_an_unknown_phase_is_refused():
     with pytest.raises(ValueError, match="Unknown phase 'forward'"):
         _records(2)[0].enter("forward", 0)
+
+
+def test_a_rank_whose_process_is_gone_is_said_to_have_died_where_it_was():
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(gone.stdout)
+    base = {"t": 0.0, "timed_out": False, "host": socket.gethostname()}
+    records = {0: {**base, "phase": "training_step", "step": 5, "timed_out": True},
+               1: {**base, "phase": "training_step", "step": 5, "pid": pid}}
+    assert f"rank 1 died (process {pid} is gone) in training_step of step 5" in describe(records, 0, now=1.0)
+    records[1] = {**base, "phase": "backward", "step": 4, "pid": pid}
+    assert f"rank 1 died (process {pid} is gone) before reaching training_step of step 5" in describe(records, 0, 1.0)
