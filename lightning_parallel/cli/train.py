@@ -243,7 +243,7 @@ def _report_failure(error: BaseException, cfg: DictConfig) -> float:
         print(f"lp-train: error (rank {error.rank}): {error.line}", file=sys.stderr, flush=True)
         sys.exit(1)
     if isinstance(error, ConfigError):
-        if os.environ.get("RANK", "0") == "0":  # refused before any rank started: no run folder is left behind
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # refused before start: no folder left
             discard_refused_folder(Path(cfg.paths.output_dir))
         report_config_error(error)
     rank = os.environ.get("RANK", "0")
