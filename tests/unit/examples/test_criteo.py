@@ -74,3 +74,14 @@ def test_recsys_criteo_experiment_composes_26_tables_on_the_users_file(tmp_path)
     data = instantiate(cfg.data)
     assert len(cfg.model.table_sizes) == 26 and data.table_sizes == list(cfg.model.table_sizes)
     assert cfg.strategy.sharding == "table_wise" and cfg.model.num_dense == 13
+
+
+def test_collate_gathers_each_samples_ids_in_order():
+    from examples.recsys.torchrec_data import CollateJagged, feature_names, make_click_log
+
+    log = make_click_log(50, [30, 20, 10], max_ids_per_feature=4, seed=3)
+    indices = [7, 0, 42, 7, 13]
+    _, kjt, _ = CollateJagged(log, feature_names(3))(indices)
+    for j, key in enumerate(feature_names(3)):
+        expected = [log.values[j][log.offsets[j][i]:log.offsets[j][i + 1]].tolist() for i in indices]
+        assert [t.tolist() for t in kjt[key].to_dense()] == expected

@@ -69,3 +69,19 @@ def test_vision_folder_experiment_sizes_the_model_by_the_images(folder, override
                                            *overrides, "paths.output_dir=/tmp/lp-vision-folder"])
     assert (cfg.model.image_size // cfg.model.patch_size) ** 2 == tokens and cfg.model.d_model == width
     assert cfg.model.num_classes == 3 and cfg.model.in_channels == 3
+
+
+def test_decoded_cache_is_written_once_and_serves_the_same_shapes(folder, tmp_path):
+    options = dict(image_size=16, num_classes=3, batch_size=4, val_fraction=0.2, cache_size=20, cache_dir=str(tmp_path))
+    data = ImageFolderDataModule(str(folder), **options)
+    data.setup()
+    written = sorted(tmp_path.glob("*.u8"))
+    assert len(written) == 2 and written[0].stat().st_size in (24 * 20 * 20 * 3, 6 * 20 * 20 * 3)
+    again = ImageFolderDataModule(str(folder), **options)
+    again.setup()
+    assert sorted(tmp_path.glob("*.u8")) == written and [p.stat().st_mtime_ns for p in written] == [
+        p.stat().st_mtime_ns for p in sorted(tmp_path.glob("*.u8"))]
+    cached, plain = again.val_files[0][0], ImageFolderDataModule(str(folder), **{**options, "cache_size": None})
+    plain.setup()
+    assert cached.shape == plain.val_files[0][0].shape == (3, 16, 16)
+    assert (cached - plain.val_files[0][0]).abs().mean() < 0.2  # the same picture, resized twice
