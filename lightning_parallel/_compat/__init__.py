@@ -22,7 +22,8 @@ Touch points, by package:
   :func:`drop_loader_position`.
 * torch: :func:`unflatten_mesh_dim`, :func:`dcp_set_element`, :func:`dcp_metadata_path`, :func:`load_planner_target`,
   :func:`grouped_mm`, :func:`keep_lr_scheduler_marker`, :func:`init_fake_process_group` (lp-simulate's world),
-  :func:`fsdp2_step_on_meta` and :func:`clear_dtensor_caches` (lp-simulate's step),
+  :func:`fsdp2_step_on_meta`, :func:`clear_dtensor_caches`, :func:`dispatch_mode`, :func:`storage_key` and
+  :func:`fsdp2_gathered_tensors` (lp-simulate's step),
   and for TorchRec (torch's optimizer in backward) :func:`in_backward_optimizer_settings`.
 * DeepSpeed: :func:`zero_merge_trainable_params`, :func:`zero3_param_coordinator`.
 * transformers: :func:`hf_class_plans`, :func:`hf_init_weights`, :func:`hf_checkpoint_conversions`,
@@ -51,12 +52,15 @@ from lightning_parallel._compat.torch_internals import (
     clear_dtensor_caches,
     dcp_metadata_path,
     dcp_set_element,
+    dispatch_mode,
+    fsdp2_gathered_tensors,
     fsdp2_step_on_meta,
     grouped_mm,
     in_backward_optimizer_settings,
     init_fake_process_group,
     keep_lr_scheduler_marker,
     load_planner_target,
+    storage_key,
     unflatten_mesh_dim,
 )
 from lightning_parallel._compat.transformers_internals import (
@@ -73,7 +77,7 @@ __all__ = [
     "DDPForwardRedirection", "DEEPSPEED_STRATEGY_OVERRIDES", "attention_implementation", "auto_select_batch_size",
     "can_set_attention_implementation", "dcp_metadata_path", "dcp_set_element", "drop_loader_position",
     "drop_per_step_sigterm_broadcast", "epoch_end_loop_progress", "fit_loop_state", "fit_loop_train_dataloader",
-    "fsdp2_step_on_meta", "clear_dtensor_caches",
+    "fsdp2_step_on_meta", "clear_dtensor_caches", "dispatch_mode", "storage_key", "fsdp2_gathered_tensors",
     "grouped_mm", "hf_checkpoint_conversions", "hf_class_plans", "hf_init_weights",
     "hf_masks_on_meta", "hf_rename_checkpoint_key",
     "in_backward_optimizer_settings", "init_deepspeed_distributed", "init_fake_process_group",

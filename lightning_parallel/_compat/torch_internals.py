@@ -99,6 +99,48 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
+def storage_key(tensor: torch.Tensor) -> int:
+    """An identity of ``tensor``'s storage that views share, on ``meta`` too (lp-simulate counts saved activations
+    by distinct storage).
+
+    Why private: a ``meta`` storage has no data pointer (``data_ptr()`` is 0 for all of them) and each
+    ``untyped_storage()`` call returns a new Python object; ``_cdata``, the address of the storage torch holds,
+    is the only identity they share.
+    """
+    return tensor.untyped_storage()._cdata
+
+
+def fsdp2_gathered_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The unsharded parameters and all-gather outputs of every FSDP2 unit of ``module`` (lp-simulate leaves them
+    out of the activations: they are counted as gathered parameters).
+
+    Why private: FSDP2 keeps them on its ``FSDPParamGroup``'s ``FSDPParam`` objects (``all_gather_outputs``,
+    ``_unsharded_param``), reached only through ``FSDPModule._get_fsdp_state()``.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    for unit in module.modules():
+        group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
+        for param in getattr(group, "fsdp_params", ()):
+            found.extend(getattr(param, "all_gather_outputs", ()))
+            unsharded = getattr(param, "_unsharded_param", None)
+            if unsharded is not None:
+                found.append(unsharded.to_local() if hasattr(unsharded, "to_local") else unsharded)
+    return found
+
+
+def dispatch_mode() -> type:
+    """torch's ``TorchDispatchMode`` class: a mode that sees every operator call below autograd, with its arguments
+    (lp-simulate counts the ``c10d`` collectives of a step through one, as torch's own ``CommDebugMode`` does).
+
+    Why private: the class lives in ``torch.utils._python_dispatch``; torch exports no public name for it.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
 def clear_dtensor_caches() -> None:
     """Forget DTensor's cached sharding decisions (lp-simulate, between two simulated ranks of one process).
 

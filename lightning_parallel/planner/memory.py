@@ -103,7 +103,9 @@ def state_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> tuple[flo
     fsdp = c.replicas if c.zero in (2, 3) else 1
     counts = shape.local_counts(c.tp, fsdp, c.ep, c.replicas // c.ep if c.expert_shard else 1)
     local = sum(counts[i][1] for i in layers)
-    return b * local, b * local, shape.optimizer_states * b * local
+    # Adam's step counter: one scalar per parameter tensor, sharded or not (lp-simulate measures it).
+    steps = shape.step_bytes * sum(len(shape.layers[i].params) for i in layers) if shape.optimizer_states else 0
+    return b * local, b * local, shape.optimizer_states * b * local + steps
 
 
 def activation_bytes(shape: ModelShape, c: Candidate, layer: int, samples: int) -> float:
@@ -125,13 +127,21 @@ def activation_bytes(shape: ModelShape, c: Candidate, layer: int, samples: int) 
     return kept * samples / c.cp
 
 
+def plain_ddp(c: Candidate) -> bool:
+    """Whether the hybrid strategy's data axis is torch's DDP (no gathered copy): ZeRO 0 over data (x context) ranks
+    with no tensor, pipeline or expert axis (:func:`lightning_parallel.parallel.replicated.replicates_plain`, for
+    a full-precision run; a mixed-precision policy keeps FSDP2)."""
+    return c.engine == "hybrid" and c.zero == 0 and c.tp == 1 and c.pp == 1 and c.ep == 1
+
+
 def working_bytes(shape: ModelShape, c: Candidate, layers: list[int]) -> float:
     """Parameters gathered while computing: FSDP2 keeps the rank's layers unsharded from forward to backward
     (ZeRO-2, and replicated data parallelism, which runs on FSDP2 with shard groups of one rank: a second copy
-    of the parameters); ZeRO-3 (FSDP2 or DeepSpeed) gathers a layer and prefetches the next. Experts sharded by
+    of the parameters, except where the data axis is torch's DDP: :func:`plain_ddp`); ZeRO-3 (FSDP2 or DeepSpeed)
+    gathers a layer and prefetches the next. Experts sharded by
     expert parallelism are not FSDP2's: they are never gathered, unless sharded over their expert-data ranks too
     (``expert_shard``): then one MoE module's ``E / ep`` experts are gathered at a time, and the next prefetched."""
-    fsdp = c.replicas > 1 and c.engine == "hybrid"
+    fsdp = c.replicas > 1 and c.engine == "hybrid" and not plain_ddp(c)
     if not (fsdp or (c.engine == "deepspeed" and c.zero == 3 and c.dp > 1)):
         return 0.0
     counts = shape.local_counts(c.tp, 1)

@@ -142,6 +142,8 @@ class ModelShape:
             ``expert_parallel_plan()`` names, and no expert-parallel candidates).
         split_refusals: ``(axis, reason)`` for each of ``data``, ``pipeline``, ``context`` whose split of the batch
             the model refuses at start-up (its ``check_batch_split``: a balancing loss formed in ``training_step``).
+        step_bytes: bytes of the step counter the optimizer keeps per parameter tensor (Adam/AdamW: a float32
+            scalar; 0: none), measured by ``lp-simulate`` as part of the optimizer state.
     """
 
     name: str
@@ -155,6 +157,7 @@ class ModelShape:
     attention: Optional[AttentionShape] = None
     experts: Optional[ExpertShape] = None
     split_refusals: tuple[tuple[str, str], ...] = ()
+    step_bytes: int = 4
 
     @property
     def num_params(self) -> int:

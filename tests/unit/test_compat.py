@@ -353,3 +353,25 @@ def test_new_groups_without_a_timeout_read_the_module_default_the_mesh_timeout_p
     with default_group_timeout(timedelta(seconds=7)):
         assert c10d._get_default_timeout(c10d.Backend.GLOO) == timedelta(seconds=7)
     assert c10d._get_default_timeout(c10d.Backend.GLOO) == timedelta(minutes=30)
+
+
+def test_dispatch_mode_sees_the_collectives_of_a_fake_world():
+    """``dispatch_mode``: torch's ``TorchDispatchMode`` (``torch.utils._python_dispatch``) sees ``c10d`` ops."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this test process")
+    seen = []
+
+    class Seen(_compat.dispatch_mode()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.namespace)
+            return func(*args, **(kwargs or {}))
+
+    _compat.init_fake_process_group(0, 4)
+    try:
+        with Seen():
+            dist.all_reduce(torch.ones(2))
+    finally:
+        dist.destroy_process_group()
+    assert "c10d" in seen

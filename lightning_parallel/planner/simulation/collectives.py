@@ -22,8 +22,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from lightning_parallel import _compat
 
 # c10d op name (without the trailing "_") -> the kind it is reported as
 _KINDS = {
@@ -56,7 +56,16 @@ def group_axes(meshes: Any) -> dict[str, str]:
     return names
 
 
-class CountCollectives(TorchDispatchMode):
+def _leaves(value: Any) -> list[Any]:
+    """Everything inside nested lists, tuples and dicts of an operator's arguments."""
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _leaves(item)]
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in _leaves(item)]
+    return [value]
+
+
+class CountCollectives(_compat.dispatch_mode()):  # type: ignore[misc]
     """Counts every communication call made inside it (module docstring).
 
     Args:
@@ -75,9 +84,9 @@ class CountCollectives(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if not self.paused and func.namespace in ("c10d", "_c10d_functional", "_c10d_functional_autograd"):
-            kind = _KINDS.get(func._opname.rstrip("_") if func._opname.endswith("__") else func._opname.rstrip("_"))
+            kind = _KINDS.get(func.overloadpacket.__name__.rstrip("_"))
             if kind is not None:
-                leaves = tree_leaves((args, kwargs))
+                leaves = _leaves((args, kwargs))
                 sizes = [t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)]
                 self.calls.append((kind, self._axis(leaves), max(sizes, default=0)))
         return func(*args, **kwargs)

@@ -186,8 +186,9 @@ class _SavedTensors:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         if isinstance(local, nn.Parameter):
             return
-        storage = local.untyped_storage()
-        self.storages[storage._cdata] = storage.nbytes()
+        from lightning_parallel import _compat
+
+        self.storages[_compat.storage_key(local)] = local.untyped_storage().nbytes()
 
     def total(self) -> int:
         """Saved bytes, without the storages of parameters and of FSDP2's gathered (unsharded) parameters."""
@@ -195,19 +196,8 @@ class _SavedTensors:
 
 
 def _parameter_storages(model: nn.Module) -> set[int]:
-    from torch.distributed.fsdp import FSDPModule
+    """Storages of the parameters (local tensors) and of FSDP2's gathered parameters."""
+    from lightning_parallel import _compat
 
-    keys = set()
-    for param in model.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
-        keys.add(local.untyped_storage()._cdata)
-    for module in model.modules():
-        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
-        for fsdp_param in getattr(group, "fsdp_params", ()):
-            for output in getattr(fsdp_param, "all_gather_outputs", ()):
-                keys.add(output.untyped_storage()._cdata)
-            unsharded: Optional[Tensor] = getattr(fsdp_param, "_unsharded_param", None)
-            if unsharded is not None:
-                local = unsharded.to_local() if hasattr(unsharded, "to_local") else unsharded
-                keys.add(local.untyped_storage()._cdata)
-    return keys
+    locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return {_compat.storage_key(t) for t in [*locals_, *_compat.fsdp2_gathered_tensors(model)]}

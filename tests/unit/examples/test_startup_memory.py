@@ -58,7 +58,8 @@ def test_rows_say_how_the_model_is_built_and_what_a_rank_holds(overrides, build,
     candidate, _ = layout_candidate(strategy, layout)
     params, grads, optim = expected_state_bytes(state_shape(module, candidate.pp > 1), candidate)
     full = 4 * sum(p.numel() for p in module.parameters())
-    assert optim == 2 * params and grads == params  # AdamW, fp32
+    tensors = len(list(module.parameters()))  # AdamW's 4-byte step counter per tensor the rank holds
+    assert 2 * params <= optim <= 2 * params + 4 * tensors and grads == params  # AdamW, fp32
     if divisor is not None:
         assert params == pytest.approx(full / divisor, rel=1e-3)
     else:

@@ -36,7 +36,9 @@ def test_replicated_states_equal_the_instantiated_model(gpt_and_shape) -> None:
     model, shape = gpt_and_shape
     numel = sum(p.numel() for p in model.parameters())
     assert shape.num_params == numel
-    assert states(shape, layout(dp=2)) == [4 * numel * 4]  # fp32 parameters + gradients + AdamW's two moments
+    tensors = len(list(model.parameters()))
+    # fp32 parameters + gradients + AdamW's two moments, and AdamW's 4-byte step counter per tensor
+    assert states(shape, layout(dp=2)) == [4 * numel * 4 + 4 * tensors]
 
 
 def test_pipeline_ranks_hold_the_partition_the_strategy_cuts(gpt_and_shape) -> None:
@@ -51,7 +53,8 @@ def test_pipeline_ranks_hold_the_partition_the_strategy_cuts(gpt_and_shape) -> N
             expected = {i for s in range(2 * v) if s % 2 == rank for i in range(bounds[s], bounds[s + 1])}
             assert set(held) == expected
             numel = sum(p.numel() for i in held for p in layers[i].parameters())
-            assert sum(state_bytes(shape, c, held)) == 16 * numel
+            tensors = sum(1 for i in held for _ in layers[i].parameters())
+            assert sum(state_bytes(shape, c, held)) == 16 * numel + 4 * tensors
 
 
 def test_tensor_parallel_divides_the_planned_matrices(gpt_and_shape) -> None:
@@ -63,14 +66,16 @@ def test_tensor_parallel_divides_the_planned_matrices(gpt_and_shape) -> None:
     total_sharded = 3 * sharded + v * d + v * d  # blocks, token embedding, head projection
     replicated = 3 * per_block_replicated + s * d + 2 * d  # position table, final norm
     assert total_sharded + replicated == shape.num_params
-    assert states(shape, layout(tp=2)) == [16 * (total_sharded // 2 + replicated)]
+    steps = 4 * sum(len(layer.params) for layer in shape.layers)  # AdamW's step counters
+    assert states(shape, layout(tp=2)) == [16 * (total_sharded // 2 + replicated) + steps]
 
 
 def test_fsdp_shards_dim0_after_tensor_parallelism(gpt_and_shape) -> None:
     _, shape = gpt_and_shape
     expected = sum(-(-p.shape[0] // 2) * (p.numel // p.shape[0]) for layer in shape.layers for p in layer.params)
+    steps = 4 * sum(len(layer.params) for layer in shape.layers)  # AdamW's step counters
     for zero in (2, 3):
-        assert states(shape, layout(dp=2, zero=zero)) == [16 * expected]
+        assert states(shape, layout(dp=2, zero=zero)) == [16 * expected + steps]
     # ZeRO-2 keeps the whole model gathered between forward and backward; ZeRO-3 one layer (and the next).
     full = 4 * shape.num_params
     assert working_bytes(shape, layout(dp=2, zero=2), list(range(len(shape.layers)))) == full
