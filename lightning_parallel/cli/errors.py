@@ -122,6 +122,16 @@ def read_rank_error(run_dir: Path, rank: int) -> Optional[str]:
         return None
 
 
+def is_peer_gone(error: BaseException) -> bool:
+    """True when ``error`` is what a rank sees after another rank died (gloo, NCCL, the store): a consequence.
+
+    Args:
+        error: a rank's error.
+    """
+    cause = root_cause(error)
+    return bool(_PEER_GONE.search(f"{type(cause).__name__} {cause}"))
+
+
 class RankError(RuntimeError):
     """Another rank's error, shown instead of rank 0's own when rank 0 only saw that rank leave.
 
@@ -147,10 +157,12 @@ def earlier_rank_error(run_dir: Path, ranks: Iterable[int], failed_at: float,
         failed_at: when rank 0's error reached the launcher (``time.time()``).
         error: rank 0's error.
     """
-    peer_gone = bool(_PEER_GONE.search(f"{type(error).__name__} {error}"))
+    peer_gone = is_peer_gone(error)
+    found = []
     for rank in ranks:
-        path = rank_error_file(run_dir, rank)
         line = read_rank_error(run_dir, rank)
-        if line is not None and (peer_gone or path.stat().st_mtime <= failed_at):
-            return RankError(rank, line)
-    return None
+        if line is not None and (peer_gone or rank_error_file(run_dir, rank).stat().st_mtime <= failed_at):
+            found.append(RankError(rank, line))
+    # A rank with a cause of its own before one that also only saw a peer leave.
+    found.sort(key=lambda e: bool(_PEER_GONE.search(e.line.split("\n", 1)[0])))
+    return found[0] if found else None

@@ -230,7 +230,7 @@ def _multirun() -> bool:
 
 def _report_failure(error: BaseException, cfg: DictConfig) -> float:
     """One short line for an error (the traceback goes to the run's log file); in a multirun the job's row."""
-    from lightning_parallel.cli.errors import RankError, error_line, rank_error_file
+    from lightning_parallel.cli.errors import RankError, error_line, is_peer_gone, rank_error_file
     from lightning_parallel.cli.run_start import log_traceback
 
     log = log_traceback(error)
@@ -254,6 +254,8 @@ def _report_failure(error: BaseException, cfg: DictConfig) -> float:
             sys.exit(1)
         except OSError:
             pass
+    if rank != "0" and is_peer_gone(error):  # torchrun, SLURM: another rank failed first and says why
+        sys.exit(1)
     where = "" if rank == "0" else f" (rank {rank})"
     print(f"lp-train: error{where}: {line}\n  full traceback: {log}", file=sys.stderr, flush=True)
     if os.environ.get("HYDRA_FULL_ERROR") == "1":

@@ -82,3 +82,22 @@ def test_a_child_error_replaces_rank_zeros_when_rank_zero_only_saw_the_peer_leav
     assert earlier_rank_error(tmp_path, [1], time.time() - 60, own) is None  # the child failed after rank 0
     assert earlier_rank_error(tmp_path, [1], time.time() + 60, own).line == "ValueError: the cause"  # before
     assert earlier_rank_error(tmp_path, [2], time.time(), gone) is None  # no child left an error
+
+
+def test_a_ranks_error_after_a_peer_died_is_a_consequence():
+    from lightning_parallel.cli.errors import is_peer_gone
+
+    assert is_peer_gone(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"))
+    assert not is_peer_gone(ValueError("model.optimizer.lr=-1 is not a positive learning rate"))
+
+
+def test_the_child_with_a_cause_of_its_own_is_shown_before_one_that_saw_a_peer_leave(tmp_path):
+    import time
+
+    from lightning_parallel.cli.errors import earlier_rank_error
+
+    rank_error_file(tmp_path, 1).parent.mkdir()
+    rank_error_file(tmp_path, 1).write_text("RuntimeError: [gloo] Connection closed by peer\n")
+    rank_error_file(tmp_path, 2).write_text("ValueError: rank 2's cause\n")
+    found = earlier_rank_error(tmp_path, [1, 2], time.time(), RuntimeError("gloo: Connection reset by peer"))
+    assert (found.rank, found.line) == (2, "ValueError: rank 2's cause")
