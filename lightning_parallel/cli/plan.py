@@ -138,7 +138,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.simulate and not args.shape:
         from lightning_parallel.cli.plan_simulation import print_simulated, simulate_candidates
 
-        print_simulated(simulate_candidates(plan, list(args.overrides), work, per_node, nodes, args.simulate, compose))
+        rows = simulate_candidates(plan, list(args.overrides), work, per_node, nodes, args.simulate, compose)
+        print_simulated(rows, plan.cluster.memory_per_device)
     elif args.simulate:
         print("lp-plan: --simulate builds the config's model; --shape names no module to build (use model=...).")
     if measured and any(measured.values()):

@@ -79,6 +79,7 @@ def run(overrides: list[str], cluster_name: str, out: Optional[str]) -> tuple[An
     from lightning_parallel.cli.preflight import world_size_of
     from lightning_parallel.planner.cluster import load_cluster
     from lightning_parallel.planner.simulation import simulate
+    from lightning_parallel.planner.simulation.step import batch_of
 
     check_trainer_overrides(overrides)
     cfg = compose(overrides)
@@ -90,7 +91,8 @@ def run(overrides: list[str], cluster_name: str, out: Optional[str]) -> tuple[An
         simulation = simulate(lambda: instantiate(cfg.model), options, world_size_of(cfg),
                               num_nodes=int(cfg.trainer.num_nodes),
                               precision=_UNIFIED_PRECISION.get(precision, precision),
-                              device_memory=cluster.memory_per_device, names=SETTING_NAMES, batch=_batch(cfg))
+                              device_memory=cluster.memory_per_device, names=SETTING_NAMES,
+                              batch=batch_of(cfg.get("data")))
     except ValueError as exc:
         raise ConfigError(qualified(str(exc))) from exc
     simulation.settings.update(cluster=cluster.name, layout_checked=layout.describe())
@@ -99,20 +101,6 @@ def run(overrides: list[str], cluster_name: str, out: Optional[str]) -> tuple[An
     path = folder / "simulation.json"
     path.write_text(json.dumps(simulation.to_json(), indent=1))
     return simulation, path
-
-
-def _batch(cfg: Any) -> Optional[Any]:
-    """One rank's batch on ``meta`` for the simulated step: token ids of ``data.batch_size`` x ``data.seq_len``
-    (dict batches for the Hugging Face data modules); None (no step) for data that is not token sequences."""
-    from functools import partial
-
-    from lightning_parallel.planner.simulation.step import token_batch
-
-    data = cfg.get("data") or {}
-    size, seq_len = data.get("batch_size"), data.get("seq_len")
-    if size is None or seq_len is None:
-        return None
-    return partial(token_batch, int(size), int(seq_len), "hf" in str(data.get("_target_", "")))
 
 
 def _run_folder(overrides: list[str]) -> Path:

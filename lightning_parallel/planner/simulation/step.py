@@ -19,9 +19,10 @@ Note:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -57,6 +58,20 @@ def token_batch(batch_size: int, seq_len: int, as_dict: bool = False) -> Any:
     if as_dict:
         return {"input_ids": tokens, "labels": tokens.clone()}
     return tokens, tokens.clone()
+
+
+def batch_of(data: Optional[Mapping[str, Any]]) -> Optional[Callable[[], Any]]:
+    """One rank's batch on ``meta`` for a run's data config: token ids of ``batch_size`` x ``seq_len`` (dict batches
+    for the Hugging Face data modules, whose ``_target_`` names ``hf``); None (no step) for other data.
+
+    Args:
+        data: the run's ``data`` config group (``lp-train``'s), or None.
+    """
+    data = data or {}
+    size, seq_len = data.get("batch_size"), data.get("seq_len")
+    if size is None or seq_len is None:
+        return None
+    return partial(token_batch, int(size), int(seq_len), "hf" in str(data.get("_target_", "")))
 
 
 def run_step(model: nn.Module, done: Any, meshes: Any, batch: Any, precision: str = "32-true") -> StepRecord:
