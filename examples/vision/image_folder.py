@@ -207,6 +207,9 @@ class ImageFolderDataModule(pl.LightningDataModule):
             raise ValueError("data=image_folder needs your folder: data.path=/path/to/train (root/<class>/<image>).")
         if channels not in (1, 3):
             raise ValueError(f"data.channels={channels} must be 1 (grey) or 3 (RGB).")
+        if cache_size is not None and cache_size < image_size:
+            raise ValueError(f"data.cache_size={cache_size} is below data.image_size={image_size}: the crops would be "
+                             f"upsampled; set data.cache_size={round(image_size / EVAL_CROP)} or more.")
         self.save_hyperparameters()
         self.train_files: Optional[ImageFiles] = None
         self.val_files: Optional[Dataset] = None

@@ -206,3 +206,25 @@ def test_lp_train_refuses_missing_files_before_any_rank_starts(folders, override
                                            "paths.output_dir=/tmp/lp-hf-finetune"])
     with pytest.raises(ConfigError, match=message):
         preflight(cfg)
+
+
+def test_chat_template_wraps_the_prompt_and_still_masks_it(folders, tmp_path):
+    import shutil
+
+    import transformers
+
+    _, corpus, model = folders
+    chat = tmp_path / "chat_model"
+    shutil.copytree(model, chat)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(chat)
+    tokenizer.chat_template = ("{% for m in messages %}w1 {{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %} w2{% endif %}")
+    tokenizer.save_pretrained(chat)
+    folder_tokenizer = FolderTokenizer(chat)
+    record = {"prompt": "w5 w6", "response": "w7 w8"}
+    ids, labels = RecordEncoder(folder_tokenizer, chat_template=True).encode([record])[0]
+    head = folder_tokenizer.encode(["w1 w5 w6 w2"], special=True)[0]
+    assert ids.tolist()[:len(head)] == head and (labels[:len(head)] == IGNORE_INDEX).all()
+    assert labels[len(head):].tolist() == folder_tokenizer.encode(["w7 w8"], special=False)[0] + [folder_tokenizer.eos_id]
+    with pytest.raises(ValueError, match="has no chat template"):
+        RecordEncoder(FolderTokenizer(model), chat_template=True).encode([record])

@@ -41,6 +41,7 @@ def test_augmentation_is_seeded_by_image_and_epoch(folder):
     (dict(path=None), "data.path=/path/to/train"),
     (dict(num_classes=5), "set data.num_classes=3"),
     (dict(channels=2), "must be 1 \\(grey\\) or 3"),
+    (dict(cache_size=8), "set data.cache_size=18 or more"),
 ])
 def test_mistakes_are_refused_with_the_fix(folder, kwargs, message):
     with pytest.raises(ValueError, match=message):
