@@ -146,7 +146,8 @@ def measure(rank: int, world_size: int, paths: dict[str, str]) -> dict[str, dict
 
 def table(results: dict[int, list[dict]]) -> str:
     """The markdown table: per recipe and process count, the slowest rank's ratio."""
-    rows = ["| recipe | processes | loader samples/s per rank | step samples/s per rank | loader / step (slowest rank) |",
+    rows = ["| recipe | processes | loader samples/s per rank | step samples/s per rank "
+            "| loader / step (slowest rank) |",
             "|---|---|---|---|---|"]
     for recipe in RECIPES:
         for world_size, per_rank in sorted(results.items()):

@@ -83,7 +83,8 @@ class HFTextDataModule(pl.LightningDataModule):
         h = self.hparams
         tokenizer = tokenizer or self._tokenizer()
         key = settings_key(
-            files=fingerprint_files(self.paths), val=fingerprint_files(self.val_paths or []), tokenizer=tokenizer.fingerprint(),
+            files=fingerprint_files(self.paths), val=fingerprint_files(self.val_paths or []),
+            tokenizer=tokenizer.fingerprint(),
             fields=[h.text_field, h.prompt_field, h.response_field], chat=h.chat_template, eos=h.add_eos,
             eos_token=h.eos_token, seq_len=h.seq_len, packing=h.packing, val_every=h.val_every, open_rows=h.open_rows,
             version=1,
@@ -133,8 +134,9 @@ class HFTextDataModule(pl.LightningDataModule):
         model_config = getattr(getattr(self, "trainer", None) and self.trainer.lightning_module, "model_config", None)
         vocab = getattr(model_config, "vocab_size", None) or vocab
         if vocab is not None and tokenizer.vocab_size > vocab:
-            raise ValueError(f"The tokenizer in {self.hparams.tokenizer!r} has {tokenizer.vocab_size} tokens, the model "
-                             f"{vocab}: use the model folder's own tokenizer (data.tokenizer=null with model.pretrained).")
+            raise ValueError(f"The tokenizer in {self.hparams.tokenizer!r} has {tokenizer.vocab_size} tokens, the "
+                             f"model {vocab}: use the model folder's own tokenizer (data.tokenizer=null with "
+                             "model.pretrained).")
         if len(self.train_rows) == 0:
             raise ValueError(f"data.files {[str(p) for p in self.paths]} gave no training rows: they hold no records "
                              "with text (or every document was held out: raise data.val_every).")
@@ -155,7 +157,8 @@ class HFTextDataModule(pl.LightningDataModule):
             log.warning("hf_text: the validation split has %d rows, fewer than a global batch of %d: no validation "
                         "(lower data.val_every or give data.val_files).", len(self.val_rows), batch_size)
             return []
-        return DataLoader(Subset(self.val_rows, range(count)), batch_size=batch_size, num_workers=self.hparams.num_workers)
+        return DataLoader(Subset(self.val_rows, range(count)), batch_size=batch_size,
+                          num_workers=self.hparams.num_workers)
 
     def batches(self, count: int, split: str = "train") -> list[dict]:
         """The first ``count`` batches of a split in stored order (no shuffle, one process): for checks and tests."""

@@ -68,7 +68,8 @@ class _Row:
         ids, labels = document
         end = self.used + len(ids)
         self.documents += 1
-        self.data[0, self.used:end], self.data[1, self.used:end], self.data[2, self.used:end] = ids, labels, self.documents
+        self.data[:2, self.used:end] = ids, labels
+        self.data[2, self.used:end] = self.documents
         self.used = end
 
 

@@ -42,8 +42,8 @@ def read_chunks(path: str | Path, chunk_rows: int = 65536,
     read = 0
     with open(Path(path).expanduser()) as handle:
         while max_rows is None or read < max_rows:
-            lines = [line for _, line in zip(range(chunk_rows if max_rows is None else min(chunk_rows, max_rows - read)),
-                                             handle)]
+            wanted = chunk_rows if max_rows is None else min(chunk_rows, max_rows - read)
+            lines = [line for _, line in zip(range(wanted), handle)]
             if not lines:
                 return
             fields = [line.rstrip("\n").split("\t") for line in lines]

@@ -54,8 +54,9 @@ def list_image_folder(root: str | Path) -> tuple[list[Path], np.ndarray, list[st
         files.extend(found)
         labels.extend([label] * len(found))
     if len(classes) < 2 or not files:
-        raise ValueError(f"{str(root)!r} holds {len(classes)} class folder(s) and {len(files)} image(s): an ImageFolder "
-                         f"layout needs root/<class>/<image> with two classes or more ({', '.join(sorted(IMAGE_SUFFIXES))}).")
+        suffixes = ", ".join(sorted(IMAGE_SUFFIXES))
+        raise ValueError(f"{str(root)!r} holds {len(classes)} class folder(s) and {len(files)} image(s): an "
+                         f"ImageFolder layout needs root/<class>/<image> with two classes or more ({suffixes}).")
     return files, np.asarray(labels, dtype=np.int64), classes
 
 

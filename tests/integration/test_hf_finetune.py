@@ -9,7 +9,6 @@ in-process by tests/distributed/examples/test_hf_text_layouts.py.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

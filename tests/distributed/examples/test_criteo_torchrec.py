@@ -81,7 +81,8 @@ def test_criteo_tsv_trains_table_and_column_wise_as_one_process(files):
     reference_cases = {"one_process": {"sharding": "table_wise"},
                        "control/filled": {"sharding": "table_wise", "path": files["filled"]}}
     reference = run_processes(fit_criteo, 1, files["path"], reference_cases, timeout=600)[0]
-    cases = {"table_wise": {"sharding": "table_wise"}, "column_wise": {"sharding": "column_wise", "column_shard_dim": 4}}
+    cases = {"table_wise": {"sharding": "table_wise"},
+             "column_wise": {"sharding": "column_wise", "column_shard_dim": 4}}
     per_rank = run_processes(fit_criteo, 2, files["path"], cases, timeout=600)
     expected = reference["one_process"]["losses"]
     assert len(expected) == STEPS

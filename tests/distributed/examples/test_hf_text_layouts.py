@@ -15,11 +15,9 @@ One launch per world size serves every case (launches dominate the cost on this 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
 import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")

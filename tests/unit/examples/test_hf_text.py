@@ -119,7 +119,8 @@ def test_packed_and_unpacked_documents_have_the_same_token_losses(folders):
     worst = max(abs(a - b) for key in packed for a, b in zip(packed[key], padded[key]))
     leaking = _document_losses(model, packed_data.batches(len(packed_data.train_rows)), leak=True)
     moved = max(abs(a - b) for key in leaking for a, b in zip(leaking[key], padded[key]))
-    print(f"{len(packed)} documents: packed vs alone {worst:.1e} (summed token losses); without document masks {moved:.2f}")
+    print(f"{len(packed)} documents: packed vs alone {worst:.1e} (summed token losses); "
+          f"without document masks {moved:.2f}")
     assert worst < 1e-4 and moved > 1e-2
 
 
@@ -225,6 +226,7 @@ def test_chat_template_wraps_the_prompt_and_still_masks_it(folders, tmp_path):
     ids, labels = RecordEncoder(folder_tokenizer, chat_template=True).encode([record])[0]
     head = folder_tokenizer.encode(["w1 w5 w6 w2"], special=True)[0]
     assert ids.tolist()[:len(head)] == head and (labels[:len(head)] == IGNORE_INDEX).all()
-    assert labels[len(head):].tolist() == folder_tokenizer.encode(["w7 w8"], special=False)[0] + [folder_tokenizer.eos_id]
+    response = folder_tokenizer.encode(["w7 w8"], special=False)[0] + [folder_tokenizer.eos_id]
+    assert labels[len(head):].tolist() == response
     with pytest.raises(ValueError, match="has no chat template"):
         RecordEncoder(FolderTokenizer(model), chat_template=True).encode([record])
