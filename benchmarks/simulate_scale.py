@@ -45,6 +45,33 @@ CASES: dict[str, tuple[str, dict[str, Any], int, int, dict[str, Any]]] = {
                          {"pipeline_parallel_size": 8, "tensor_parallel_size": 8, "context_parallel_size": 2,
                           "data_parallel_size": 128, "data_replicate_size": 2, "zero_stage": 3, "microbatches": 8}),
 }
+LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+             "tie_word_embeddings": False}
+LLAMA3_405B = {"hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128,
+               "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+               "tie_word_embeddings": False}
+# Published layouts beside the memory their authors report (docs/simulation.md's table): name -> (model type,
+# config, vocabulary, world, ParallelOptions keywords, (batch per rank, sequence), published GiB, source).
+TORCHTITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+PUBLISHED: dict[str, tuple] = {
+    "llama3-8b/8 fsdp": ("llama", LLAMA3_8B, 128256, 8,
+                         {"data_parallel_size": 8, "zero_stage": 3, "activation_checkpointing": "selective"},
+                         (2, 8192), 82.4, f"{TORCHTITAN}, table 1 (FSDP, no compile)"),
+    "llama3-8b/8 fsdp2 x cp4 128k": ("llama", LLAMA3_8B, 128256, 8,
+                                     {"data_parallel_size": 2, "context_parallel_size": 4, "zero_stage": 3,
+                                      "activation_checkpointing": "full"},
+                                     (1, 131072), 84.0, f"{TORCHTITAN}, table 2 (with compile and Float8)"),
+    "llama3-70b/256 fsdp32 x tp8": ("llama", LLAMA3_70B, 128256, 256,
+                                    {"data_parallel_size": 32, "tensor_parallel_size": 8, "zero_stage": 3,
+                                     "activation_checkpointing": "full"},
+                                    (16, 8192), 71.9, f"{TORCHTITAN}, table 4 (2D, compile and Float8)"),
+    "llama3-405b/512 fsdp8 x tp8 x pp8": ("llama", LLAMA3_405B, 128256, 512,
+                                          {"data_parallel_size": 8, "tensor_parallel_size": 8,
+                                           "pipeline_parallel_size": 8, "zero_stage": 3, "microbatches": 32,
+                                           "activation_checkpointing": "full"},
+                                          (32, 8192), 82.5, f"{TORCHTITAN}, table 5 (1F1B, compile, Float8)"),
+}
 GIB = 2**30
 
 
@@ -69,11 +96,40 @@ def run_case(name: str) -> dict[str, Any]:
             "peak_gib_min_max": (round(min(peaks) / GIB, 2), round(max(peaks) / GIB, 2)), "fits_80gb": simulation.fits}
 
 
+def run_published(name: str) -> dict[str, Any]:
+    """Simulate one published layout with one step of its batch on ``meta``; the most loaded class's figures."""
+    from examples.nlp.hf_causal_lm import HFCausalLM
+    from lightning_parallel.parallel.options import ParallelOptions
+    from lightning_parallel.planner import simulate
+    from lightning_parallel.planner.simulation.step import token_batch
+
+    model_type, config, vocab, world, options, (batch, seq), published, source = PUBLISHED[name]
+    factory = partial(HFCausalLM, config=model_type, config_overrides={**config, "max_position_embeddings": seq},
+                      vocab_size=vocab)
+    started = time.perf_counter()
+    simulation = simulate(factory, ParallelOptions(**{"pipeline_parallel_size": 1, "tensor_parallel_size": 1,
+                                                       **options}), world, num_nodes=max(world // 8, 1),
+                          precision="bf16-mixed", device_memory=96 * GIB, batch=partial(token_batch, batch, seq, True))
+    top = max(simulation.classes, key=lambda c: c.peak_bytes)
+    return {"case": name, "layout": simulation.layout, "seconds": round(time.perf_counter() - started, 1),
+            "stored_gib": round((top.parameter_bytes + top.gradient_bytes + top.optimizer_bytes) / GIB, 2),
+            "gathered_gib": round(top.gathered_bytes / GIB, 2),
+            "activation_gib": None if top.activation_bytes is None else round(top.activation_bytes / GIB, 2),
+            "peak_gib": round(top.peak_bytes / GIB, 2), "published_gib": published, "source": source,
+            "notes": list(top.notes)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--out", default=None, help="a JSON file for the results")
+    parser.add_argument("--published", nargs="*", default=None, choices=list(PUBLISHED),
+                        help="simulate published layouts (with a step) instead, beside their reported memory")
     args = parser.parse_args()
+    if args.published is not None:
+        for name in args.published or list(PUBLISHED):
+            print(json.dumps(run_published(name)), flush=True)
+        return
     results = []
     for name in args.cases:
         result = run_case(name)

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_parallel import _compat
 from lightning_parallel.planner.simulation.collectives import CountCollectives, ddp_buckets, group_axes, summarize
 
 
@@ -92,7 +93,7 @@ def run_step(model: nn.Module, done: Any, meshes: Any, batch: Any, precision: st
     inputs, targets = done.adapter.split_batch(batch)
     loss_fn = done.loss_fn or done.adapter.pipeline_plan().loss_fn
     counter = CountCollectives(group_axes(meshes))
-    saved = _SavedTensors(model)
+    saved = _SavedTensors(model, selective=done.options.activation_checkpointing == "selective")
     parallel_loss = loss_parallel_context(True) if done.options.loss_parallel else nullcontext()
     # Fused attention in backward too: activation checkpointing recomputes the forward there.
     with _compat.fsdp2_step_on_meta(model), _compat.hf_masks_on_meta(), counter, parallel_loss, fused_attention():
@@ -170,11 +171,17 @@ def _fusable(query: Tensor, key: Tensor, value: Tensor, *rest: Any, **kwargs: An
 
 
 class _SavedTensors:
-    """Bytes of the distinct storages autograd saves during a forward, parameters' storages left out."""
+    """Bytes of the distinct storages autograd saves during a forward, parameters' storages left out.
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    Activation checkpointing keeps, out of the hooks' sight, each checkpointed layer's inputs (counted by a
+    pre-hook) and, under ``selective``, the outputs of the operators its policy saves (counted by a dispatch mode
+    while a checkpointed layer runs its forward; the recomputation in backward is not counted).
+    """
+
+    def __init__(self, model: nn.Module, selective: bool = False) -> None:
+        self.model, self.selective = model, selective
         self.storages: dict[int, int] = {}
+        self.inside = 0  # checkpointed layers whose forward is running
 
     @contextmanager
     def counting(self) -> Iterator[None]:
@@ -184,14 +191,20 @@ class _SavedTensors:
             self._add(tensor)
             return tensor
 
-        def keep_inputs(module: nn.Module, args: tuple) -> None:
+        def enter(module: nn.Module, args: tuple) -> None:
+            self.inside += 1
             for value in args:  # checkpointing keeps a layer's inputs for its recomputation
                 if isinstance(value, Tensor):
                     self._add(value)
 
-        hooks = [m.register_forward_pre_hook(keep_inputs) for m in self.model.modules() if is_checkpointed(m)]
+        def leave(module: nn.Module, args: tuple, output: Any) -> None:
+            self.inside -= 1
+
+        layers = [m for m in self.model.modules() if is_checkpointed(m)]
+        hooks = [h for m in layers for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+        kept = _KeptBySelective(self) if self.selective and layers else nullcontext()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), kept:
                 yield
         finally:
             for hook in hooks:
@@ -208,6 +221,24 @@ class _SavedTensors:
     def total(self) -> int:
         """Saved bytes, without the storages of parameters and of FSDP2's gathered (unsharded) parameters."""
         return sum(size for key, size in self.storages.items() if key not in _parameter_storages(self.model))
+
+
+class _KeptBySelective(_compat.dispatch_mode()):  # type: ignore[misc]
+    """Counts the outputs selective checkpointing keeps: those of its saved operators inside a checkpointed layer."""
+
+    def __init__(self, saved: _SavedTensors) -> None:
+        from lightning_parallel.parallel.activation_checkpoint import saved_operations
+
+        super().__init__()
+        self.saved, self.operations = saved, set(saved_operations())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.saved.inside and func in self.operations:
+            for value in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(value, Tensor):
+                    self.saved._add(value)
+        return out
 
 
 def _parameter_storages(model: nn.Module) -> set[int]:

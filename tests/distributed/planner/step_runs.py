@@ -15,7 +15,9 @@ BATCH, SEQ = 8, 16  # the global batch of simulation_runs.measure_layouts
 # Step-only layouts: activation checkpointing (what it keeps is counted apart from autograd's saved tensors).
 # Not here: sequence parallelism, whose real step reduces more than the simulated one (docs/simulation.md).
 EXTRA = {"dp4 zero3 full checkpointing": ({"data_parallel_size": 4, "zero_stage": 3,
-                                          "activation_checkpointing": "full"}, {})}
+                                          "activation_checkpointing": "full"}, {}),
+         "dp2 x tp2 zero3 selective checkpointing": ({"data_parallel_size": 2, "tensor_parallel_size": 2,
+                                                      "zero_stage": 3, "activation_checkpointing": "selective"}, {})}
 STEP_CASES = {**LAYOUTS, **EXTRA}
 # The layouts whose step the simulation runs (not pipelined; MoE routing needs values, which meta has none of).
 STEP_LAYOUTS = [name for name, (options, model) in STEP_CASES.items()
@@ -54,7 +56,8 @@ class CountStep(pl.Callback):
                 self.counter.paused = False
 
         strategy.reduce = unseen_reduce
-        self._saved = _SavedTensors(module)
+        selective = strategy.options.activation_checkpointing == "selective"
+        self._saved = _SavedTensors(module, selective=selective)
         self._stack = ExitStack()
         self._stack.enter_context(self.counter)
         self._forward = self._saved.counting()
@@ -82,9 +85,14 @@ def measure_steps(rank: int, world_size: int, names: list[str]) -> dict[str, dic
     from lightning_parallel.testing.models import FixedOrderData
     from tests.distributed.parity_runs import text_dataset
 
+    from lightning_parallel import _compat
+
     out = {}
     for name in names:
         options, model_overrides = STEP_CASES[name]
+        # DTensor's cached placements would hand this layout an earlier layout's mesh of equal shape (and its
+        # process group): one process runs every layout here.
+        _compat.clear_dtensor_caches()
         pl.seed_everything(0)
         counter = CountStep()
         strategy = HybridParallelStrategy(**{"pipeline_parallel_size": 1, "tensor_parallel_size": 1, **options})
