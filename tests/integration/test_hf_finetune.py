@@ -1,14 +1,16 @@
 """``lp-train experiment=hf_finetune model.pretrained=DIR data.files=...`` as a user runs it, on files, a tokenizer
 and a tiny decoder the test writes (:mod:`tests.hf_text_corpus`): packed rows give one process's losses on every
-rank within 1e-5, under data 2 and context 2 (Ulysses) for a Llama and data 2 x expert 2 for a Mixtral.
+rank within 1e-5, under data 2 and context 2 (Ulysses) for a Llama and data 2 x expert 2 for a Mixtral; a run stopped
+mid-epoch under data 2 and resumed with ``ckpt_path=`` under tensor 2 continues with the uninterrupted losses.
 
-Five ``lp-train`` runs (each 20-60 s here); the other layouts, the negative control and the exact resume are covered
-in-process by tests/distributed/examples/test_hf_text_layouts.py.
+Seven ``lp-train`` runs (each 20-60 s here); the other layouts and the negative control are covered in-process by
+tests/distributed/examples/test_hf_text_layouts.py.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -36,25 +38,31 @@ CELLS = {
 }
 
 
+def _run(root: Path, name: str, family: str, devices: int, overrides: list[str]) -> list[dict]:
+    """``lp-train experiment=hf_finetune`` on the test's folders; every rank's losses."""
+    losses, corpus = root / "losses" / name.replace("/", "_"), root / "data"
+    args = ["experiment=hf_finetune", f"model.pretrained={root / f'model_{family}'}",
+            f"data.files=[{corpus / 'corpus.jsonl'},{corpus / 'texts'}]", *RUN, f"trainer.devices={devices}",
+            *overrides, f"data.cache_dir={root / 'cache'}", f"hydra.run.dir={root / 'runs' / name.replace('/', '_')}",
+            "+callbacks.losses._target_=tests.integration.hf_finetune_runs.RankLosses",
+            f"+callbacks.losses.folder={losses}"]
+    ok(lp_train(args, cwd=root, timeout=600))
+    return [json.loads((losses / f"rank{r}.json").read_text()) for r in range(devices)]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    root = tmp_path_factory.mktemp("hf_finetune")
-    corpus, llama = corpus_and_model(root, "llama")
+def root(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("hf_finetune")
+    _, llama = corpus_and_model(folder, "llama")
     from transformers import AutoTokenizer
 
-    save_model(root / "model_mixtral", AutoTokenizer.from_pretrained(llama), "mixtral")
-    files = f"data.files=[{corpus['jsonl']},{corpus['texts']}]"
-    out = {}
-    for name, (family, devices, strategy) in CELLS.items():
-        losses = root / "losses" / name.replace("/", "_")
-        args = ["experiment=hf_finetune", f"model.pretrained={root / f'model_{family}'}", files, *RUN,
-                f"trainer.devices={devices}", *strategy, f"data.cache_dir={root / 'cache'}",
-                f"hydra.run.dir={root / 'runs' / name.replace('/', '_')}",
-                "+callbacks.losses._target_=tests.integration.hf_finetune_runs.RankLosses",
-                f"+callbacks.losses.folder={losses}"]
-        ok(lp_train(args, cwd=root, timeout=600))
-        out[name] = [json.loads((losses / f"rank{r}.json").read_text()) for r in range(devices)]
-    return out
+    save_model(folder / "model_mixtral", AutoTokenizer.from_pretrained(llama), "mixtral")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(root) -> dict[str, list[dict]]:
+    return {name: _run(root, name, family, devices, overrides) for name, (family, devices, overrides) in CELLS.items()}
 
 
 @pytest.mark.parametrize("cell", [c for c in CELLS if not c.endswith("one_process")])
@@ -65,3 +73,19 @@ def test_lp_train_hf_finetune_gives_one_process_losses_on_every_rank(runs, cell)
         worst = max(max_abs_difference(losses[kind], reference) for kind in ("reduced", "local"))
         print(f"lp-train {cell} rank {rank}: max |loss - one process| {worst:.2e}")
         assert worst < TOL, f"{cell} rank {rank}: {worst:.2e}"
+
+
+def test_lp_train_stopped_mid_epoch_resumes_at_another_layout_with_the_next_batches(root, runs):
+    """Data 2 stops after step 3 (its last checkpoint, mid-epoch); ``ckpt_path=`` resumes it under tensor 2: steps 4-5
+    are the uninterrupted one process's."""
+    schedule = "model.max_steps=5"  # the cosine schedule of the whole run, not of the part
+    _run(root, "stop/dp2", "llama", 2, ["data.batch_size=4", "trainer.max_steps=3", "trainer.val_check_interval=3",
+                                        schedule])
+    checkpoint = next((root / "runs" / "stop_dp2" / "checkpoints").glob("last*"))
+    resumed = _run(root, "resume/tp2", "llama", 2, ["data.batch_size=8", "strategy.tensor_parallel_size=2", schedule,
+                                                    f"ckpt_path={checkpoint}"])
+    reference = runs["llama/one_process"][0]["reduced"]
+    for rank, losses in enumerate(resumed):
+        diff = max_abs_difference(losses["reduced"], reference[3:])
+        print(f"lp-train dp2 -> tp2 resumed rank {rank}: steps 4-5 max |loss - uninterrupted| {diff:.2e}")
+        assert len(losses["reduced"]) == 2 and diff < TOL
