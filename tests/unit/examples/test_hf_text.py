@@ -230,3 +230,13 @@ def test_chat_template_wraps_the_prompt_and_still_masks_it(folders, tmp_path):
     assert labels[len(head):].tolist() == response
     with pytest.raises(ValueError, match="has no chat template"):
         RecordEncoder(FolderTokenizer(model), chat_template=True).encode([record])
+
+
+def test_loader_workers_read_the_same_rows_from_the_memory_map(folders):
+    from itertools import islice
+
+    data = _data(folders, num_workers=0)
+    plain = list(islice(data.train_dataloader(), 4))
+    with_workers = list(islice(_data(folders, num_workers=2).train_dataloader(), 4))
+    for a, b in zip(plain, with_workers):
+        assert all(torch.equal(a[key], b[key]) for key in a)
