@@ -147,18 +147,18 @@ class HFTextDataModule(pl.LightningDataModule):
                                 num_workers=self.hparams.num_workers)
 
     def val_dataloader(self) -> DataLoader:
-        # Every rank reads the same global batches (batch_size x data-parallel size, unsharded): each batch's loss is
-        # then its token mean on every rank, and val_loss is the same number at every layout (at the cost of each
-        # data-parallel rank computing the whole validation batch).
+        # Global batches of batch_size x data-parallel size, each rank reading its share (the same rows as one
+        # process's batches of that size): the suite's strategies weigh each batch's loss by token over the
+        # data-parallel ranks, so val_loss is the same number at every layout.
         shard = getattr(getattr(self.trainer, "strategy", None), "distributed_sampler_kwargs", None) or {}
-        batch_size = self.hparams.batch_size * int(shard.get("num_replicas", 1))
-        count = min(len(self.val_rows), self.hparams.max_val_batches * batch_size) // batch_size * batch_size
+        global_batch = self.hparams.batch_size * int(shard.get("num_replicas", 1))
+        count = min(len(self.val_rows), self.hparams.max_val_batches * global_batch) // global_batch * global_batch
         if count == 0:
             log.warning("hf_text: the validation split has %d rows, fewer than a global batch of %d: no validation "
-                        "(lower data.val_every or give data.val_files).", len(self.val_rows), batch_size)
+                        "(lower data.val_every or give data.val_files).", len(self.val_rows), global_batch)
             return []
-        return DataLoader(Subset(self.val_rows, range(count)), batch_size=batch_size,
-                          num_workers=self.hparams.num_workers)
+        return resumable_loader(Subset(self.val_rows, range(count)), batch_size=self.hparams.batch_size,
+                                trainer=self.trainer, shuffle=False, num_workers=self.hparams.num_workers)
 
     def batches(self, count: int, split: str = "train") -> list[dict]:
         """The first ``count`` batches of a split in stored order (no shuffle, one process): for checks and tests."""
