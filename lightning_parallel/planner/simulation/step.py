@@ -98,7 +98,7 @@ def run_step(model: nn.Module, done: Any, meshes: Any, batch: Any, precision: st
     # Fused attention in backward too: activation checkpointing recomputes the forward there.
     with _compat.fsdp2_step_on_meta(model), _compat.hf_masks_on_meta(), counter, parallel_loss, fused_attention():
         with saved.counting():
-            loss = loss_fn(model(**inputs) if isinstance(inputs, Mapping) else model(inputs), targets)
+            loss = loss_fn(_forward(model, done.adapter, inputs), targets)
         loss = loss[0] if isinstance(loss, tuple) else loss
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
         loss.backward()
@@ -118,6 +118,17 @@ def _ddp_calls(model: nn.Module, meshes: Any, options: Any, precision: str) -> l
     axis = DATA_CONTEXT if layout.context_parallel_enabled else DATA_PARALLEL
     trainable = [p for p in model.parameters() if p.requires_grad]
     return [("all_reduce", axis, size) for size in ddp_buckets(trainable, options.bucket_bytes)]
+
+
+def _forward(model: nn.Module, adapter: Any, inputs: Any) -> Any:
+    """The model's output for ``inputs``: a dict batch goes to the Hugging Face model the adapter found, as the
+    recipe's ``training_step`` calls it (its keywords: ``position_ids`` under context parallelism, masks), else the
+    module's ``forward``."""
+    if not isinstance(inputs, Mapping):
+        return model(inputs)
+    inner = getattr(adapter, "model", None)
+    output = inner(**inputs) if isinstance(inner, nn.Module) else model(**inputs)
+    return getattr(output, "logits", output)
 
 
 def _reduce_experts(model: nn.Module, meshes: Any, options: Any) -> None:

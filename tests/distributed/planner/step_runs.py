@@ -80,12 +80,11 @@ class CountStep(pl.Callback):
 
 def measure_steps(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, Any]]:
     """Fit one step of every named layout; per layout, this rank's counted collectives and saved bytes."""
+    from lightning_parallel import _compat
     from lightning_parallel.strategies import HybridParallelStrategy
     from lightning_parallel.testing.fit import quiet_trainer
     from lightning_parallel.testing.models import FixedOrderData
     from tests.distributed.parity_runs import text_dataset
-
-    from lightning_parallel import _compat
 
     out = {}
     for name in names:
