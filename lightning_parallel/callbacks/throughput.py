@@ -44,8 +44,18 @@ def find_throughput_report(trainer: pl.Trainer) -> Optional[ThroughputReport]:
     return next((c for c in trainer.callbacks if isinstance(c, ThroughputReport)), None)
 
 
+def _counts(inputs: Any, dp: int) -> tuple[int, int]:
+    """Global samples and tokens of one batch's inputs on ``dp`` data-parallel replicas."""
+    # Several inputs (e.g. dense + sparse features): the first tensor counts the samples.
+    first = next(tensor_leaves(inputs), None)
+    samples = first.shape[0] * dp if first is not None else 0
+    # Tokens: inputs that are one integer tensor are token ids (language models).
+    tokens = inputs.numel() * dp if isinstance(inputs, Tensor) and not inputs.is_floating_point() else 0
+    return samples, tokens
+
+
 class ThroughputReport(pl.Callback):
-    """Times every training batch and reports global samples/s and tokens/s.
+    """Times every training batch and reports global samples/s and tokens/s, per optimizer step and for the run.
 
     Only the time inside training batches counts (validation and checkpointing are
     excluded); the first ``warmup_batches`` are skipped so start-up does not bias the figure.
@@ -61,12 +71,16 @@ class ThroughputReport(pl.Callback):
         batch's host-side start with this batch's last kernels, small beside a training
         step. CPU runs need no sync.
 
+        Lightning's ``ThroughputMonitor`` does not fit: it multiplies a rank's samples by the world size, which
+        counts a batch once per pipeline stage and tensor shard (the suite's ranks outside the data axis see the
+        same samples), and its rates are over a window of ``window_size`` batches, not the step that just ran.
+
     Args:
         warmup_batches: batches ignored at the start.
-        log_every_n_steps: how often to log ``throughput/*`` to the logger (0: never).
+        log_every_n_steps: how often (in optimizer steps) to log the step's rates to the loggers (0: never).
     """
 
-    def __init__(self, warmup_batches: int = 5, log_every_n_steps: int = 50) -> None:
+    def __init__(self, warmup_batches: int = 5, log_every_n_steps: int = 1) -> None:
         self.warmup_batches = warmup_batches
         self.log_every_n_steps = log_every_n_steps
         self.batch_times: list[float] = []
@@ -77,6 +91,8 @@ class ThroughputReport(pl.Callback):
         self._fit_start: Optional[float] = None
         self.summary: dict[str, float] = {}
         self._adapter = AdapterCache()
+        self._step: tuple[float, int, int] = (0.0, 0, 0)  # seconds, samples, tokens of the step being accumulated
+        self._logged_step = -1
 
     @staticmethod
     def _sync(trainer: pl.Trainer) -> None:
@@ -87,6 +103,10 @@ class ThroughputReport(pl.Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_start = time.perf_counter()
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._logged_step = trainer.global_step  # after a resume's restore
 
     @override
     def on_train_batch_start(
@@ -102,20 +122,32 @@ class ThroughputReport(pl.Callback):
         self._sync(trainer)
         elapsed = time.perf_counter() - self._start
         self._seen += 1
+        inputs, _ = self._adapter(pl_module, trainer.strategy).split_batch(batch)
+        samples, tokens = _counts(inputs, data_parallel_size(trainer.strategy))
+        self._log_step(trainer, elapsed, samples, tokens)
         if self._seen <= self.warmup_batches:
             return
         self.batch_times.append(elapsed)
-        inputs, _ = self._adapter(pl_module, trainer.strategy).split_batch(batch)
-        dp = data_parallel_size(trainer.strategy)
-        # Several inputs (e.g. dense + sparse features): the first tensor counts the samples.
-        first = next(tensor_leaves(inputs), None)
-        if first is not None:
-            self.samples += first.shape[0] * dp
-        # Tokens: inputs that are one integer tensor are token ids (language models).
-        if isinstance(inputs, Tensor) and not inputs.is_floating_point():
-            self.tokens += inputs.numel() * dp
-        if self.log_every_n_steps and trainer.global_step % self.log_every_n_steps == 0:
-            pl_module.log_dict(self.rates(), rank_zero_only=True)
+        self.samples += samples
+        self.tokens += tokens
+
+    def _log_step(self, trainer: pl.Trainer, elapsed: float, samples: int, tokens: int) -> None:
+        """Log the rates of the optimizer step this batch ended (its accumulated batches together), warm-up included:
+        ``throughput/step_samples_per_sec`` and ``throughput/step_tokens_per_sec``, straight to the loggers (they stay
+        out of the run's metrics, whose one throughput is :meth:`rates`)."""
+        self._step = (self._step[0] + elapsed, self._step[1] + samples, self._step[2] + tokens)
+        step = trainer.global_step
+        if step == self._logged_step:
+            return  # an accumulation micro-batch: its optimizer step has not run yet
+        seconds, samples, tokens = self._step
+        self._step, self._logged_step = (0.0, 0, 0), step
+        if not self.log_every_n_steps or step % self.log_every_n_steps or seconds <= 0:
+            return
+        rates = {"throughput/step_samples_per_sec": samples / seconds}
+        if tokens:
+            rates["throughput/step_tokens_per_sec"] = tokens / seconds
+        for logger in trainer.loggers:
+            logger.log_metrics(rates, step=step)
 
     def rates(self) -> dict[str, float]:
         """``throughput/samples_per_sec`` (and ``tokens_per_sec`` for token inputs) so far.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -91,9 +92,7 @@ def log_final_hparams(logger: Any, summary: dict[str, Any], metrics: dict[str, f
     wanted = ("val_loss", "train_loss", "throughput/samples_per_sec", "throughput/tokens_per_sec")
     final = {f"hp/{k.split('/')[-1]}": metrics[k] for k in wanted if k in metrics}
     if final:
-        logger.log_hyperparams(params, metrics=final)
-        # fit() already closed the writer; this write reopened it, so close it again to flush.
-        logger.finalize("success")
+        logger.log_hyperparams(params, metrics=final)  # lp-train calls this in on_fit_end: Lightning then closes it
 
 
 def fit_metrics(trainer: Any, datamodule: Any) -> dict[str, float]:
@@ -259,6 +258,29 @@ def model_rows(cfg: Any, strategy: Any, layout: ParallelLayout) -> dict[str, str
     }
 
 
+def readable(value: Any) -> str:
+    """A number as a person reads it: ``—`` for NaN, ``4.0e-4`` below 0.01, four decimals up to 10, one decimal up to
+    10,000, thousands separated above; whole numbers without decimals; anything else as ``str``.
+
+    Args:
+        value: a metric (float, int, or anything printable).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if math.isnan(value):
+        return "—"
+    if math.isinf(value):
+        return "∞" if value > 0 else "-∞"
+    size = abs(value)
+    if float(value).is_integer() and size < 1e15:
+        return f"{int(value):,}" if size >= 1e4 else str(int(value))
+    if size < 1e-2:
+        return f"{value:.1e}".replace("e-0", "e-").replace("e+0", "e+")  # 4.0e-4, not 4.0e-04
+    if size < 10:
+        return f"{value:.4f}"
+    return f"{value:.1f}" if size < 1e4 else f"{value:,.0f}"
+
+
 def result_rows(trainer: Any, metrics: dict[str, float], cfg: Any) -> list[tuple[str, str]]:
     """The one end-of-run table: losses, training throughput, evaluation figures, readouts, checkpoint.
 
@@ -274,10 +296,7 @@ def result_rows(trainer: Any, metrics: dict[str, float], cfg: Any) -> list[tuple
 
     from lightning_parallel.cli.run_resume import last_checkpoint
 
-    def shown(value: Any) -> str:
-        return f"{value:.4f}" if isinstance(value, float) else str(value)
-
-    rows = [(key.split("/", 1)[1] if key.startswith("eval/") else key, shown(value))
+    rows = [(key.split("/", 1)[1] if key.startswith("eval/") else key, readable(value))
             for key, value in sorted(metrics.items())]
     for callback in trainer.callbacks:
         readout = getattr(callback, "readout", None) or {}

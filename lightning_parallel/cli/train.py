@@ -61,15 +61,16 @@ for _name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utiliti
 CONFIG_DIR = str(_CONFIG_DIR)  # Hydra wants a string
 
 
-def _callbacks(cfg: DictConfig, logger: Any) -> list[Any]:
-    """The configured callbacks, plus the suite's stop-on-signal, exact data resume and step-keyed seeds (always)
-    and step progress bar."""
+def _callbacks(cfg: DictConfig, logger: Any, at_fit_end: Any = None) -> list[Any]:
+    """The configured callbacks, plus the suite's stop-on-signal, exact data resume and step-keyed seeds (always),
+    step progress bar, and with a logger the per-step gradient norm and memory (``at_fit_end``: its final write)."""
     import lightning.pytorch as pl
 
     from lightning_parallel.callbacks.evaluation import EvaluationReport
     from lightning_parallel.callbacks.exact_resume import ExactDataResume
     from lightning_parallel.callbacks.graceful_stop import GracefulStop
     from lightning_parallel.callbacks.progress import StepProgressBar
+    from lightning_parallel.callbacks.run_scalars import RunScalars
     from lightning_parallel.callbacks.step_seeds import StepSeeds
 
     callbacks = [instantiate_node(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
@@ -84,6 +85,8 @@ def _callbacks(cfg: DictConfig, logger: Any) -> list[Any]:
     if not any(isinstance(c, StepSeeds) for c in callbacks):  # and draws the same dropout masks
         callbacks.append(StepSeeds())
     callbacks.append(GracefulStop(str(cfg.paths.checkpoint_dir)))
+    if logger:
+        callbacks.append(RunScalars(at_fit_end))
     has_bar = any(isinstance(c, pl.callbacks.ProgressBar) for c in callbacks)
     if cfg.trainer.get("enable_progress_bar", True) and not has_bar:
         callbacks.append(StepProgressBar())
@@ -137,8 +140,13 @@ def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None
 
     datamodule, model = instantiate_node(cfg.data), instantiate_node(cfg.model)
     logger = instantiate_node(cfg.logger) if cfg.get("logger") else False
+
+    def at_fit_end(trainer: pl.Trainer) -> None:  # before Lightning closes the logger: the run keeps one event file
+        if rank_zero_only.rank == 0:
+            log_final_hparams(logger, summary, fit_metrics(trainer, datamodule))
+
     trainer: pl.Trainer = instantiate_node(
-        cfg.trainer, strategy=strategy, logger=logger, callbacks=_callbacks(cfg, logger)
+        cfg.trainer, strategy=strategy, logger=logger, callbacks=_callbacks(cfg, logger, at_fit_end)
     )
     if logger:
         logger.log_hyperparams({"layout": layout.describe(), **OmegaConf.to_container(cfg, resolve=True)})
@@ -152,8 +160,6 @@ def train(cfg: DictConfig, prepared: Optional[tuple[Any, ParallelLayout]] = None
     if rank_zero_only.rank == 0:
         print_table("lightning_parallel: result", result_rows(trainer, metrics, cfg))
         write_metrics(Path(cfg.paths.output_dir), summary, metrics)
-        if logger:
-            log_final_hparams(logger, summary, metrics)
     return metrics
 
 

@@ -47,6 +47,9 @@ class GlobalNormClipping(Precision):
         self.inner = inner
         self.pipeline_group = pipeline_group
         self._norm_checks: list[Callable[[Tensor], None]] = []
+        # The global norm the last clipping computed (None before any): the RunScalars callback logs it, so
+        # TensorBoard shows the norm without a second collective.
+        self.last_norm: Optional[Tensor] = None
 
     def check_norm_once(self, check: Callable[[Tensor], None]) -> None:
         """Hand the next clipping's global gradient norm to ``check`` before the gradients are clipped.
@@ -74,6 +77,7 @@ class GlobalNormClipping(Precision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         total = gradients.total_grad_norm(params, 2.0, pipeline_group=self.pipeline_group)
+        self.last_norm = total.detach()
         checks, self._norm_checks = self._norm_checks, []
         for check in checks:
             check(total)
