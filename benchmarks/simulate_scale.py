@@ -81,6 +81,7 @@ PUBLISHED: dict[str, tuple] = {
 }
 PUBLISHED["deepseek-v3/256 ep64 fsdp"] = ("deepseek_v3", DEEPSEEK_V3, 129280, 256,
                                           {"data_parallel_size": 256, "expert_parallel_size": 64, "zero_stage": 3,
+                                           "expert_data_shard": True,
                                            "activation_checkpointing": "selective"},
                                           None, None, "pytorch/torchtitan deepseek_v3_671b.toml (local batch 4, "
                                           "sequence 4096, selective checkpointing): no memory reading published")
