@@ -34,8 +34,9 @@ from lightning_parallel.planner.simulation.world import fake_rank
 ModelFactory = Callable[[], nn.Module]
 DDP_NOTE = ("data axis is torch's DDP (zero_stage=0 alone): simulated without its wrapper, which cannot wrap a meta "
             "model; it changes no parameter, and its buckets hold the gradients (the parameters' bytes)")
-PIPELINE_STEP_NOTE = ("pipelined: no step simulated yet (the schedule's shape inference needs real peers): "
-                      "activations, send/recv and the stages' collectives not measured")
+PIPELINE_STEP_NOTE = ("pipelined: each stage ran one micro-batch outside the schedule (its shape inference needs real "
+                      "peers); activations scaled by the micro-batches in flight under the schedule's action list; "
+                      "send/recv from the schedule; collectives inside a stage not counted")
 _TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
 
 
@@ -90,7 +91,8 @@ def aliases(model: nn.Module) -> dict[str, str]:
 
 
 def simulate_rank(rank: int, layout: ParallelLayout, options: ParallelOptions, factory: ModelFactory,
-                  precision: str = "32-true", batch: Optional[Callable[[], Any]] = None) -> RankRecord:
+                  precision: str = "32-true", batch: Optional[Callable[[], Any]] = None,
+                  mailbox: Optional[dict] = None) -> RankRecord:
     """Play ``rank`` of ``layout`` in a fake world and measure what it holds after its first optimizer step.
 
     Args:
@@ -100,7 +102,9 @@ def simulate_rank(rank: int, layout: ParallelLayout, options: ParallelOptions, f
         factory: builds the model (called under ``torch.device("meta")``; its ``configure_model`` is run too).
         precision: the Trainer's precision name.
         batch: builds one batch of this rank on ``meta`` (as its data loader gives it); with it, one step runs and
-            its collectives and saved activations are measured (:mod:`.step`); None: no step.
+            its collectives and saved activations are measured (:mod:`.step`, :mod:`.pipeline_step`); None: no step.
+        mailbox: pipeline stage id -> its output on ``meta``, shared by the ranks of one simulation (a later
+            pipeline position's input).
 
     Raises:
         ValueError: whatever a real run's set-up refuses (the same checks run), naming the fix.
@@ -119,20 +123,23 @@ def simulate_rank(rank: int, layout: ParallelLayout, options: ParallelOptions, f
                            build=BuildSettings(precision, simulated=True))
         record = _measure(rank, model, names, layout, options, precision)
         if batch is not None:
-            _step(record, model, done, meshes, batch, precision)
+            _step(record, model, done, meshes, batch, precision, {} if mailbox is None else mailbox)
         record.stages = tuple(done.stage_ids)
     record.seconds = time.perf_counter() - started
     return record
 
 
 def _step(record: RankRecord, model: nn.Module, done: Any, meshes: Any, batch: Callable[[], Any],
-          precision: str) -> None:
+          precision: str, mailbox: dict) -> None:
     """One step's collectives and saved activations into ``record.extra`` (:mod:`.step`), or a note saying why not."""
-    if done.pipelined:
-        record.notes += (PIPELINE_STEP_NOTE,)
-        return
+    from lightning_parallel.planner.simulation.pipeline_step import run_pipeline_step
+
     try:
-        step = run_step(model, done, meshes, batch(), precision)
+        if done.pipelined:
+            step = run_pipeline_step(done, batch(), mailbox, min(done.stage_ids))
+            record.notes += (PIPELINE_STEP_NOTE,)
+        else:
+            step = run_step(model, done, meshes, batch(), precision)
     except (NotImplementedError, RuntimeError) as error:  # code that needs values: MoE routing, HF mask checks
         if "meta tensor" not in str(error).lower():
             raise
@@ -140,7 +147,7 @@ def _step(record: RankRecord, model: nn.Module, done: Any, meshes: Any, batch: C
                          "values, e.g. MoE routing's token counts, transformers' mask checks); activations and "
                          "collectives not measured",)
         return
-    record.extra.update(activation_bytes=step.activation_bytes, collectives=step.collectives)
+    record.extra.update(activation_bytes=step.activation_bytes, collectives=step.collectives, **step.details)
 
 
 def _measure(rank: int, model: nn.Module, names: dict[str, str], layout: ParallelLayout, options: ParallelOptions,

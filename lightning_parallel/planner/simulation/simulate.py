@@ -45,8 +45,9 @@ def simulate(model_factory: ModelFactory, options: ParallelOptions, world_size: 
     """
     started = time.perf_counter()
     layout = options.layout(world_size, names, num_nodes)
+    mailbox: dict = {}  # pipeline stage outputs, for the next position's input (positions run in order)
     classes = rank_classes(layout, options.zero_stage,
-                           lambda rank: simulate_rank(rank, layout, options, model_factory, precision, batch))
+                           lambda rank: simulate_rank(rank, layout, options, model_factory, precision, batch, mailbox))
     canonical = set(aliases(build_on_meta(model_factory, precision)).values())
     checked = check_whole_world(classes, layout, options.zero_stage, canonical)
     settings = {"precision": precision, "zero_stage": options.zero_stage, "schedule": options.schedule,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Optional
 
@@ -38,11 +38,14 @@ class StepRecord:
 
     Attributes:
         collectives: ``{"kind", "axis", "count", "bytes"}`` per kind and mesh axis, in order of first call.
-        activation_bytes: bytes autograd saved for backward (one batch of this rank).
+        activation_bytes: bytes autograd saved for backward (one batch of this rank; under pipelining, the
+            micro-batches the schedule keeps in flight).
+        details: further figures (pipelining: bytes per micro-batch and micro-batches in flight, per stage).
     """
 
     collectives: tuple[dict[str, Any], ...]
     activation_bytes: int
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 def token_batch(batch_size: int, seq_len: int, as_dict: bool = False) -> Any:
