@@ -34,6 +34,7 @@ from benchmarks.fault_trial import LAYOUTS, STEPS, train_rank
 FAULT_STEP = 5  # forward/backward/optimizer faults: the checkpoint before is step 4, so 1 step is trained again
 SAVE_STEP = 4  # the save a fault hits (the one before it is step 2)
 FAULTED_RANK = 1
+RESUMED_STEP = 4  # resume trials start from the reference's step-4 checkpoint
 MARK = "Where the ranks were"
 HANG_MARGIN_S = 30.0  # start-up and the gloo timeout's own slack on 2 shared cores
 TOLERANCE = 1e-6
@@ -166,7 +167,7 @@ def classify(trial: Trial, run: dict[str, Any], reference: list[float], workdir:
         return _resume_check(trial, workdir, timeout_s, reference, values[0]["stopped_at"], row)
     if not any(word in row["error"] for word in CLEAR):
         row["unclear"] = True
-    trained = SAVE_STEP if trial.moment == "save" else (0 if trial.moment == "start-up" else FAULT_STEP)
+    trained = {"save": SAVE_STEP, "start-up": 0, "resume": RESUMED_STEP}.get(trial.moment, FAULT_STEP)
     checked = _resume_check(trial, workdir, timeout_s, reference, trained, row)
     return {**checked, "outcome": "UNCLEAR"} if row.get("unclear") and checked["outcome"] == "stopped, resumed" \
         else checked
@@ -180,11 +181,14 @@ def run_trial(trial: Trial, root: Path, timeout_s: float, reference: dict[str, A
     (workdir / "checkpoints").mkdir(parents=True)
     ckpt_path = None
     if trial.moment == "resume":
-        source, target = Path(reference["dir"]) / "checkpoints" / "step=4.ckpt", workdir / "checkpoints" / "last.ckpt"
+        source = Path(reference["dir"]) / "checkpoints" / f"step={RESUMED_STEP}.ckpt"
+        target = workdir / "checkpoints" / "last.ckpt"
         (shutil.copytree if source.is_dir() else shutil.copy2)(source, target)
         ckpt_path = str(target)
     started = time.time()
     run = launch(trial.layout, workdir, timeout_s, _point(trial, workdir / "stamp", ckpt_path), ckpt_path)
+    if run["fired"] is None and "EADDRINUSE" in _error(run):  # another process took the free port first: again
+        run = launch(trial.layout, workdir, timeout_s, _point(trial, workdir / "stamp", ckpt_path), ckpt_path)
     row = classify(trial, run, reference["losses"], workdir, timeout_s)
     return {**row, "wall_s": round(time.time() - started, 1)}
 

@@ -43,11 +43,13 @@ def markdown(rows: list[dict[str, Any]], timeout_s: float) -> str:
         f"stopped without a clear error: {summary['failures']['UNCLEAR']}. Fault to the first surviving rank's error: "
         f"median {detect['median']} s, max {detect['max']} s.",
         "",
-        "| layout | fault | moment | outcome | detected (s) | steps lost | resumed from | loss diff | what the user saw |",
+        "| layout | fault | moment | outcome | detected (s) | steps lost | resumed from | loss diff | "
+        "what the user saw |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        cells = [row["layout"], row["fault"], row["moment"], row["outcome"] + ("" if row.get("fired") else " (not fired)"),
+        outcome = row["outcome"] + ("" if row.get("fired") else " (not fired)")
+        cells = [row["layout"], row["fault"], row["moment"], outcome,
                  row.get("detect_s"), row.get("lost"), row.get("resumed_from"), row.get("max_diff"),
                  (row.get("error") or "")[:160]]
         lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")

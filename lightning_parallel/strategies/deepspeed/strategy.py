@@ -250,11 +250,16 @@ class DeepSpeedDataParallelStrategy(ReduceWithoutBarrier, DeepSpeedStrategy):
         """``deepspeed.initialize`` as Lightning calls it, with a device rank that also works on CPU."""
         import deepspeed
 
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=self._engine_args(), config=self.config, model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-            optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False,
-        )
+        from lightning_parallel._compat.c10d_internals import default_group_timeout
+
+        # DeepSpeed's groups (ZeRO's clone of the world group among them) are new_group(ranks) without a timeout: a
+        # rank hung in backward held the others 30 minutes, not `timeout` (the fault matrix).
+        with default_group_timeout(self.timeout):
+            engine, ds_optimizer, _, _ = deepspeed.initialize(
+                args=self._engine_args(), config=self.config, model=model,
+                model_parameters=[p for p in model.parameters() if p.requires_grad],
+                optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False,
+            )
         return engine, ds_optimizer
 
     @override
