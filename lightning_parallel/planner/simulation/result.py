@@ -33,6 +33,8 @@ class ClassResult:
         collectives: the communication of one step by kind, mesh axis and bytes (empty: not measured).
         notes: how the simulation differs from a real run.
         seconds: the time its representative took.
+        details: further figures of its step (pipelining: ``activation_bytes_per_microbatch`` and
+            ``microbatches_in_flight`` per stage).
     """
 
     ranks: tuple[int, ...]
@@ -48,6 +50,7 @@ class ClassResult:
     collectives: tuple[dict[str, Any], ...] = ()
     notes: tuple[str, ...] = ()
     seconds: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, rank_class: RankClass) -> ClassResult:
@@ -58,7 +61,8 @@ class ClassResult:
                 + (activations or 0))
         return cls(rank_class.ranks, rank_class.why, record.stages, record.parameter_bytes, record.gradient_bytes,
                    record.optimizer_bytes, record.gathered_bytes, activations, peak, record.padding_bytes,
-                   tuple(record.extra.get("collectives", ())), record.notes, record.seconds)
+                   tuple(record.extra.get("collectives", ())), record.notes, record.seconds,
+                   {k: v for k, v in record.extra.items() if k not in ("activation_bytes", "collectives")})
 
 
 @dataclass

@@ -19,9 +19,12 @@ EXTRA = {"dp4 zero3 full checkpointing": ({"data_parallel_size": 4, "zero_stage"
          "dp2 x tp2 zero3 selective checkpointing": ({"data_parallel_size": 2, "tensor_parallel_size": 2,
                                                       "zero_stage": 3, "activation_checkpointing": "selective"}, {})}
 STEP_CASES = {**LAYOUTS, **EXTRA}
-# The layouts whose step the simulation runs (not pipelined; MoE routing needs values, which meta has none of).
+# The layouts whose step the simulation runs (MoE routing needs values, which meta has none of): whole steps, and
+# pipelined ones (their sends and receives; the second step is counted, the first also infers shapes).
 STEP_LAYOUTS = [name for name, (options, model) in STEP_CASES.items()
                 if options.get("pipeline_parallel_size", 1) == 1 and "moe" not in model]
+PIPELINED_LAYOUTS = [name for name, (options, model) in STEP_CASES.items()
+                     if options.get("pipeline_parallel_size", 1) > 1 and "moe" not in model]
 
 
 class CountStep(pl.Callback):
@@ -32,30 +35,41 @@ class CountStep(pl.Callback):
     leaves it out (``planner/simulation/step.py``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, step: int = 0) -> None:
+        self.step = step
         self.collectives: list[dict[str, Any]] = []
         self.activation_bytes = 0
         self._stack: ExitStack | None = None
         self._saved: Any = None
+        self._forward: Any = None
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        # One wrapper for the whole fit: Lightning compares a logged value's reduction between steps.
+        strategy, reduce = trainer.strategy, trainer.strategy.reduce
+
+        def unseen_reduce(*args: Any, **kwargs: Any) -> Any:
+            counter = getattr(self, "counter", None)
+            if counter is not None:
+                counter.paused = True
+            try:
+                return reduce(*args, **kwargs)
+            finally:
+                if counter is not None:
+                    counter.paused = False
+
+        strategy.reduce = unseen_reduce
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        del trainer.strategy.reduce  # the strategy's own method again
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, idx: int) -> None:
-        if idx != 0:
+        if idx != self.step:
             return
         from lightning_parallel.planner.simulation.collectives import CountCollectives, group_axes
         from lightning_parallel.planner.simulation.step import _SavedTensors
 
         strategy = trainer.strategy
         self.counter = CountCollectives(group_axes(strategy.meshes))
-        reduce = strategy.reduce
-
-        def unseen_reduce(*args: Any, **kwargs: Any) -> Any:
-            self.counter.paused = True
-            try:
-                return reduce(*args, **kwargs)
-            finally:
-                self.counter.paused = False
-
-        strategy.reduce = unseen_reduce
         selective = strategy.options.activation_checkpointing == "selective"
         self._saved = _SavedTensors(module, selective=selective)
         self._stack = ExitStack()
@@ -71,9 +85,11 @@ class CountStep(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
         if self._stack is None:
             return
+        if self._forward is not None:  # a pipeline schedule runs its backward inside training_step
+            self._forward.__exit__(None, None, None)
+            self._forward = None
         self._stack.close()
         self._stack = None
-        del trainer.strategy.reduce  # the strategy's own method again
         self.collectives = self.counter.summary()
         self.activation_bytes = self._saved.total()
 
@@ -93,10 +109,11 @@ def measure_steps(rank: int, world_size: int, names: list[str]) -> dict[str, dic
         # process group): one process runs every layout here.
         _compat.clear_dtensor_caches()
         pl.seed_everything(0)
-        counter = CountStep()
+        pipelined = options.get("pipeline_parallel_size", 1) > 1
+        counter = CountStep(step=1 if pipelined else 0)
         strategy = HybridParallelStrategy(**{"pipeline_parallel_size": 1, "tensor_parallel_size": 1, **options})
         data_parallel = options.get("data_parallel_size", 1)
-        trainer = quiet_trainer(world_size, strategy, 1, [counter], limit_val_batches=0)
+        trainer = quiet_trainer(world_size, strategy, 2 if pipelined else 1, [counter], limit_val_batches=0)
         data = FixedOrderData(text_dataset(32, SEQ), batch_size=BATCH // data_parallel)
         trainer.fit(gpt(**model_overrides), datamodule=data)
         out[name] = {"collectives": counter.collectives, "activation_bytes": counter.activation_bytes}

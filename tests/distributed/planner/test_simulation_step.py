@@ -2,19 +2,20 @@
 HSDP, tensor and context parallelism; the DDP path's collectives are DDP's C++ reducer's), the collectives each rank's
 simulated class issues in one step -- by kind, mesh axis, count and bytes -- equal those the rank's real first step
 issues, counted by the same counter in the real run, and the bytes autograd saves in the simulated forward on
-``meta`` are within 10% of those the real forward saves."""
+``meta`` are within 10% of those the real forward saves. For pipelined layouts (``step_runs.PIPELINED_LAYOUTS``) the
+schedule's sends and receives of a real step equal the simulated ones."""
 
 import pytest
 
 from lightning_parallel.testing import run_processes
-from tests.distributed.planner.step_runs import STEP_LAYOUTS, WORLD, measure_steps, simulated_step
+from tests.distributed.planner.step_runs import PIPELINED_LAYOUTS, STEP_LAYOUTS, WORLD, measure_steps, simulated_step
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def measured() -> list[dict]:
-    return run_processes(measure_steps, WORLD, STEP_LAYOUTS, timeout=900)
+    return run_processes(measure_steps, WORLD, STEP_LAYOUTS + PIPELINED_LAYOUTS, timeout=900)
 
 
 @pytest.mark.parametrize("name", STEP_LAYOUTS)
@@ -28,3 +29,16 @@ def test_simulated_step_collectives_and_activations_equal_a_real_first_step(name
         assert list(by_rank[rank].collectives) == real["collectives"], (name, rank)
         simulated, saved = by_rank[rank].activation_bytes, real["activation_bytes"]
         assert abs(simulated - saved) <= 0.1 * saved, (name, rank, simulated, saved)
+
+
+@pytest.mark.parametrize("name", PIPELINED_LAYOUTS)
+def test_simulated_pipeline_sends_and_receives_equal_a_real_step(name, measured):
+    """The schedule's point-to-point transfers of a real (second) step, by count and bytes, on every rank."""
+    simulation = simulated_step(name)
+    by_rank = {rank: c for c in simulation.classes for rank in c.ranks}
+
+    for rank in range(WORLD):
+        real = sorted((c for c in measured[rank][name]["collectives"] if c["kind"] in ("send", "recv")),
+                      key=lambda c: c["kind"])  # a later stage receives first: the order is the schedule's
+        assert real, (name, rank, "the real step counted no send or receive")
+        assert sorted(by_rank[rank].collectives, key=lambda c: c["kind"]) == real, (name, rank)

@@ -77,3 +77,18 @@ def test_a_step_that_needs_values_is_left_out_with_a_note():
 
     assert found.activation_bytes is None and found.collectives == ()
     assert any("step not simulated" in note for note in found.notes)
+
+
+def test_pipelined_activations_follow_the_micro_batches_the_schedule_keeps_in_flight():
+    def first_stage(schedule: str):
+        sizes = {"data_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 4, "schedule": schedule}
+        return simulate(tiny, options(**sizes), 4, batch=partial(token_batch, 8, 64)).classes[0]
+
+    one_f_one_b, gpipe = first_stage("1f1b"), first_stage("gpipe")
+
+    assert one_f_one_b.stages == (0,)
+    assert one_f_one_b.activation_bytes * 2 == gpipe.activation_bytes  # 2 (pp) of 4 micro-batches in flight, or 4
+    boundary = 2 * 64 * 32 * 4  # one micro-batch's hidden states: 2 sequences x 64 tokens x width 32, fp32
+    assert list(one_f_one_b.collectives) == [
+        {"kind": "send", "axis": "pipeline_parallel", "count": 4, "bytes": 4 * boundary},  # activations forward
+        {"kind": "recv", "axis": "pipeline_parallel", "count": 4, "bytes": 4 * boundary}]  # their gradients back
