@@ -20,6 +20,7 @@ Note:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -81,6 +82,7 @@ def _stage_step(module: nn.Module, stage: int, done: Any, args: tuple, kwargs: d
                 mailbox: dict[int, Tensor]) -> int:
     """Forward and backward of one micro-batch through ``module``; the bytes its forward saved."""
     from lightning_parallel import _compat
+    from lightning_parallel.parallel.tensor.plan import loss_parallel_context
 
     saved = _SavedTensors(module, selective=done.options.activation_checkpointing == "selective")
     with _compat.fsdp2_step_on_meta(module), _compat.hf_masks_on_meta(), fused_attention():
@@ -89,9 +91,10 @@ def _stage_step(module: nn.Module, stage: int, done: Any, args: tuple, kwargs: d
         first = output if isinstance(output, Tensor) else next(t for t in output if isinstance(t, Tensor))
         mailbox[stage] = torch.empty_like(first.detach(), device="meta")
         if stage == done.num_stages - 1:
-            loss = done.loss_fn(output, targets)
-            loss = loss[0] if isinstance(loss, tuple) else loss
-            (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).backward()
+            with loss_parallel_context(True) if done.options.loss_parallel else nullcontext():
+                loss = done.loss_fn(output, targets)
+                loss = loss[0] if isinstance(loss, tuple) else loss
+                (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).backward()
         elif first.requires_grad:
             first.backward(torch.empty_like(first))
     return saved.total()
