@@ -6,7 +6,8 @@ bytes per rank (:mod:`.memory`), step time with the pipeline schedule simulated 
 action lists (:mod:`.schedule_sim`, :mod:`.predict`), ranking (:mod:`.plan`). Measuring is optional
 and goes through the normal entry point (``lp-plan --measure``); ``strategy=planned``
 (:mod:`.planned`) applies the choice at start-up. :func:`simulate` (``lp-simulate``, :mod:`.simulation`) builds
-every rank class of a layout in torch's fake world and reports its bytes as stored. Nothing here imports the strategies or the Trainer.
+every rank class of a layout in torch's fake world and reports its bytes as stored, and the collectives and
+activations of one step on ``meta``. Nothing here imports the strategies or the Trainer.
 """
 
 from lightning_parallel.planner.candidates import Candidate, Rejected, SearchSpace, Workload, enumerate_layouts

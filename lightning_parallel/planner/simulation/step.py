@@ -202,14 +202,14 @@ class _SavedTensors:
         from lightning_parallel.parallel.activation_checkpoint import is_checkpointed
 
         def pack(tensor: Tensor) -> Tensor:
-            self._add(tensor)
+            self.add(tensor)
             return tensor
 
         def enter(module: nn.Module, args: tuple) -> None:
             self.inside += 1
             for value in args:  # checkpointing keeps a layer's inputs for its recomputation
                 if isinstance(value, Tensor):
-                    self._add(value)
+                    self.add(value)
 
         def leave(module: nn.Module, args: tuple, output: Any) -> None:
             self.inside -= 1
@@ -224,7 +224,7 @@ class _SavedTensors:
             for hook in hooks:
                 hook.remove()
 
-    def _add(self, tensor: Tensor) -> None:
+    def add(self, tensor: Tensor) -> None:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         if isinstance(local, nn.Parameter):
             return
@@ -251,7 +251,7 @@ class _KeptBySelective(_compat.dispatch_mode()):  # type: ignore[misc]
         if self.saved.inside and func in self.operations:
             for value in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(value, Tensor):
-                    self.saved._add(value)
+                    self.saved.add(value)
         return out
 
 

@@ -108,9 +108,9 @@ def test_checkpointing_lowers_activations(gpt_and_shape) -> None:
 
 
 def test_muon_holds_one_state_per_matrix_element_and_adamw_two_for_the_rest():
-    from omegaconf import OmegaConf
-
     from functools import partial
+
+    from omegaconf import OmegaConf
 
     from examples.nlp.model import GPT
     from lightning_parallel.optim import MuonWithAdamW
