@@ -48,3 +48,24 @@ def test_lp_plan_simulate_shows_predicted_and_simulated_memory_side_by_side(caps
              "--no-deepspeed"])
     out = capsys.readouterr().out
     assert "predicted and simulated memory" in out and "simulated" in out and "fits by simulation" in out
+
+
+def test_a_config_json_folder_is_the_model_and_its_step_is_measured(tmp_path, capsys):
+    """A Hugging Face decoder given as a local ``config.json`` folder (nothing downloads): its shapes are built on
+    meta, and one step of ``data.batch_size`` x ``data.seq_len`` reports activations and each class's collectives."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "tiny-llama"
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=256, max_position_embeddings=64).save_pretrained(folder)
+    main(["model=hf_causal_lm", f"model.config={folder}", "data=text_padded", "data.seq_len=32", "data.batch_size=2",
+          "strategy=hybrid", "trainer.devices=4", "strategy.pipeline_parallel_size=1", "strategy.tensor_parallel_size=2",
+          "strategy.zero_stage=3", "--out", str(tmp_path / "out")])
+    found = json.loads((tmp_path / "out" / "simulation.json").read_text())
+    out = capsys.readouterr().out
+
+    (only,) = found["classes"]
+    assert only["activation_bytes"] > 0 and only["peak_bytes"] > only["parameter_bytes"] + only["activation_bytes"]
+    kinds = {(c["kind"], c["axis"]) for c in only["collectives"]}
+    assert {("all_gather", "data_parallel"), ("reduce_scatter", "data_parallel"),
+            ("all_reduce", "tensor_parallel")} <= kinds
+    assert "step collectives" in out and "activations measured" in out
