@@ -36,6 +36,7 @@ SAVE_STEP = 4  # the save a fault hits (the one before it is step 2)
 FAULTED_RANK = 1
 RESUMED_STEP = 4  # resume trials start from the reference's step-4 checkpoint
 MARK = "Where the ranks were"
+NOTE = "Reading the checkpoint"
 HANG_MARGIN_S = 30.0  # start-up and the gloo timeout's own slack on 2 shared cores
 TOLERANCE = 1e-6
 # (fault, moment) pairs of the matrix: every fault where it can happen.
@@ -120,6 +121,9 @@ def _error(run: dict[str, Any]) -> str:
     texts = [f["value"] for r, f in sorted(run["fates"].items()) if not f["ok"]]
     for text in texts:
         lines = [line for line in str(text).strip().splitlines() if line.strip()]
+        noted = [i for i, line in enumerate(lines) if line.startswith(NOTE) and i > 0]
+        if noted:  # the error, then the note that names the damaged checkpoint
+            return f"{lines[noted[0] - 1].strip()[:120]} {lines[noted[0]].strip()}"[:300]
         telling = [line[line.index(MARK):] for line in lines if MARK in line] or lines[-1:]
         if telling and "exited with code" not in telling[0]:
             return telling[0].strip()[:300]

@@ -22,4 +22,5 @@ def test_pipeline_faults_stop_clearly_and_resume_to_the_uninterrupted_losses(tmp
     assert "rank 1 died" in rows["kill"]["error"] and "rank 1 is in optimizer_step of step 5 too but did not time out: stuck inside it" in rows["hang"]["error"]
     assert rows["hang"]["detect_s"] < TIMEOUT_S + 5
     assert rows["kill"]["lost"] == 1 and rows["sigterm"]["lost"] == 0
+    assert "Reading the checkpoint" in rows["truncate"]["error"] and "last.ckpt failed" in rows["truncate"]["error"]
     assert totals(list(rows.values()))["failures"] == {"HANG": 0, "CORRUPT LATEST": 0, "SILENT": 0, "UNCLEAR": 0}
