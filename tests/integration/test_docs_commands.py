@@ -49,7 +49,9 @@ COMMANDS = _commands()
 
 def test_the_docs_hold_commands_to_check():
     assert len(COMMANDS) >= 15, sorted(COMMANDS)
-    assert "trainer.max_steps=40" in COMMANDS  # the README's first look
+    # the README's first look
+    assert "strategy=hybrid strategy.pipeline_parallel_size=2 strategy.tensor_parallel_size=1 trainer.max_steps=40" \
+        in COMMANDS
     assert not _only_the_readers_files(["data.path=x.tsv"], "model.optimizer.lr=-1 is not a positive learning rate")
 
 
