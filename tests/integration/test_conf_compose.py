@@ -14,6 +14,11 @@ GROUPS = sorted(p.name for p in Path(CONFIG_DIR).iterdir() if p.is_dir() and not
 OPTIONS = [(group, f.stem) for group in GROUPS for f in sorted((Path(CONFIG_DIR) / group).glob("*.yaml"))]
 
 
+# Options that read the user's own files (docs/your-data.md): without them they must say which setting to give.
+NEEDS_USERS_FILES = {("data", "hf_text"): "needs a tokenizer: set model.pretrained=DIR",
+                     ("data", "image_folder"): "needs your folder: data.path="}
+
+
 def _compose(overrides):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
@@ -45,5 +50,8 @@ def test_option_composes_and_resolves(group, option):
         strategy = cfg.strategy if isinstance(cfg.strategy, str) else instantiate(cfg.strategy)
         layout = layout_of(strategy, world_size_of(cfg))
         assert layout.world_size == world_size_of(cfg)
-    if group in ("model", "data"):
+    if (group, option) in NEEDS_USERS_FILES:  # built from the user's own folder: refused by name without one
+        with pytest.raises(Exception, match=NEEDS_USERS_FILES[group, option]):
+            instantiate(cfg[group])
+    elif group in ("model", "data"):
         assert instantiate(cfg[group]) is not None
