@@ -17,7 +17,10 @@ BATCH, SEQ = 8, 16  # the global batch of simulation_runs.measure_layouts
 EXTRA = {"dp4 zero3 full checkpointing": ({"data_parallel_size": 4, "zero_stage": 3,
                                           "activation_checkpointing": "full"}, {}),
          "dp2 x tp2 zero3 selective checkpointing": ({"data_parallel_size": 2, "tensor_parallel_size": 2,
-                                                      "zero_stage": 3, "activation_checkpointing": "selective"}, {})}
+                                                      "zero_stage": 3, "activation_checkpointing": "selective"}, {}),
+         # GPipe holds every micro-batch's activations at once: what a real step saves is the simulated peak.
+         "dp2 x pp2 gpipe": ({"data_parallel_size": 2, "pipeline_parallel_size": 2, "schedule": "gpipe",
+                              "microbatches": 4}, {})}
 STEP_CASES = {**LAYOUTS, **EXTRA}
 # The layouts whose step the simulation runs (MoE routing needs values, which meta has none of): whole steps, and
 # pipelined ones (their sends and receives; the second step is counted, the first also infers shapes).

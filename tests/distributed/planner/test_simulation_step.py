@@ -42,3 +42,18 @@ def test_simulated_pipeline_sends_and_receives_equal_a_real_step(name, measured)
                       key=lambda c: c["kind"])  # a later stage receives first: the order is the schedule's
         assert real, (name, rank, "the real step counted no send or receive")
         assert sorted(by_rank[rank].collectives, key=lambda c: c["kind"]) == real, (name, rank)
+
+
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.xfail(
+    strict=True, reason="the last stage saves one logits-sized tensor more per micro-batch in a real schedule than "
+                        "in the simulated stage step (158,720 B simulated, 224,800 B real): not found yet"))])
+def test_simulated_gpipe_activations_are_a_real_steps_within_ten_percent(stage, measured):
+    """Under GPipe every micro-batch's saved tensors are alive at once at the end of the forwards, so the bytes a
+    real step's forwards save are the simulated peak: micro-batches in flight (4) x one micro-batch's."""
+    simulation = simulated_step("dp2 x pp2 gpipe")
+    by_rank = {rank: c for c in simulation.classes for rank in c.ranks}
+
+    for rank in [r for r in range(WORLD) if by_rank[r].stages == (stage,)]:
+        simulated, saved = by_rank[rank].activation_bytes, measured[rank]["dp2 x pp2 gpipe"]["activation_bytes"]
+        print(f"stage {stage} rank {rank}: simulated {simulated:,} B, real {saved:,} B")
+        assert abs(simulated - saved) <= 0.1 * saved, (rank, simulated, saved)
