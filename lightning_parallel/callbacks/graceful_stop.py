@@ -78,7 +78,7 @@ class GracefulStop(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Lightning registers its own SIGTERM handler after on_fit_start (Trainer._run), so the handlers are taken
+        # Lightning registers its own SIGTERM handler after on_fit_start (in the Trainer's run), so the handlers are taken
         # back here too: a SIGTERM sent to a rank directly (torchrun, SLURM, Kubernetes) ran Lightning's handler, a
         # broadcast from inside the handler, and the other ranks timed out instead of stopping (the fault matrix).
         signals.take_handlers()
