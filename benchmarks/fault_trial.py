@@ -26,6 +26,7 @@ class Layout:
         data: ``() -> dataset``.
         data_parallel: ranks that split the batch.
         world_size: processes.
+        datamodule: ``per-rank batch size -> LightningDataModule``, for a model whose batches ``data`` cannot give.
     """
 
     name: str
@@ -34,6 +35,7 @@ class Layout:
     data: Callable[[], Any]
     data_parallel: int
     world_size: int = 2
+    datamodule: Optional[Callable[[int], Any]] = None  # per-rank batch size -> a data module (instead of ``data``)
 
 
 def _mlp() -> Any:
@@ -83,6 +85,28 @@ def _deepspeed(timeout: timedelta) -> Any:
     return DeepSpeedDataParallelStrategy(zero_stage=2, timeout=timeout)
 
 
+TABLE_SIZES = (1000, 500, 64, 32)
+
+
+def _dlrm() -> Any:
+    from examples.recsys.torchrec_model import TorchRecDLRM
+
+    return TorchRecDLRM(table_sizes=TABLE_SIZES, embedding_dim=16, table_optimizer="adagrad", table_lr=0.05)
+
+
+def _clicks(batch_size: int) -> Any:
+    from examples.recsys.torchrec_data import ZipfClickDataModule
+
+    return ZipfClickDataModule(table_sizes=TABLE_SIZES, train_samples=4 * GLOBAL_BATCH, val_samples=64,
+                               batch_size=batch_size, shuffle=False)
+
+
+def _torchrec(timeout: timedelta) -> Any:
+    from lightning_parallel.strategies.torchrec.strategy import TorchRecStrategy
+
+    return TorchRecStrategy(sharding="table_wise", timeout=timeout)
+
+
 LAYOUTS = {layout.name: layout for layout in (
     Layout("data (DDP)", _hybrid(data_parallel_size=2), _mlp, _regression, 2),
     Layout("data (ZeRO-3)", _hybrid(data_parallel_size=2, zero_stage=3), _mlp, _regression, 2),
@@ -91,6 +115,7 @@ LAYOUTS = {layout.name: layout for layout in (
     Layout("context", _hybrid(context_parallel_size=2), _gpt, _text, 1),
     Layout("expert", _hybrid(data_parallel_size=2, expert_parallel_size=2), partial(_gpt, True), _text, 2),
     Layout("DeepSpeed ZeRO-2", _deepspeed, _mlp, _regression, 2),
+    Layout("TorchRec (table-wise)", _torchrec, _dlrm, lambda: None, 2, datamodule=_clicks),
 )}
 
 
@@ -129,7 +154,8 @@ def train_rank(rank: int, world_size: int, layout: str, checkpoint_dir: str, tim
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=spec.strategy(timedelta(seconds=timeout_s)),
                          max_steps=STEPS, limit_val_batches=0, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False, callbacks=callbacks)
-    data = FixedOrderData(spec.data(), batch_size=GLOBAL_BATCH // spec.data_parallel)
+    batch_size = GLOBAL_BATCH // spec.data_parallel
+    data = spec.datamodule(batch_size) if spec.datamodule else FixedOrderData(spec.data(), batch_size=batch_size)
     first = {}
     trainer.fit(spec.model(), datamodule=data, ckpt_path=ckpt_path)
     first["step"] = trainer.global_step - len(history.losses)

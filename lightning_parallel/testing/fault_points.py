@@ -147,13 +147,16 @@ class InjectFault(pl.Callback):
             self._arm(pl_module)
 
     def _arm(self, pl_module: pl.LightningModule) -> None:
-        """Hooks on the first module with parameters this rank holds: forward, and the gradient of its output."""
-        module = next(m for m in pl_module.modules() if any(True for _ in m.parameters(recurse=False)))
+        """Forward hooks on every module with parameters of its own; the first to return a tensor (an embedding
+        collection returns keyed tensors or awaitables) is where the fault fires, or whose output's gradient it
+        fires in."""
         nan = self.point.fault == "nan"
+        hooked: list[bool] = []
 
         def on_forward(mod: Any, args: Any, output: Any) -> Any:
-            if self.fired or not isinstance(output, torch.Tensor):
+            if self.fired or hooked or not isinstance(output, torch.Tensor):
                 return None
+            hooked.append(True)
             if self.point.moment == "forward":
                 self._fire()
                 return output * math.nan if nan else None
@@ -161,7 +164,9 @@ class InjectFault(pl.Callback):
                 output.register_hook(lambda grad: self._on_gradient(grad, nan))
             return None
 
-        self._hooks.append(module.register_forward_hook(on_forward))
+        for module in pl_module.modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                self._hooks.append(module.register_forward_hook(on_forward))
 
     def _on_gradient(self, grad: Any, nan: bool) -> Any:
         if self.fired:
