@@ -28,27 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 
+from benchmarks.step_times import StepTimes
 from lightning_parallel.strategies import HybridParallelStrategy
 from lightning_parallel.testing import run_processes
 from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
 
 WIDTH, HIDDEN, DEPTH, BATCH, EVERY = 2048, 4096, 3, 8, 4
-
-
-class StepTimes(Callback):
-    """Wall time of every training step (``on_train_batch_start`` to ``on_train_batch_end``)."""
-
-    def __init__(self) -> None:
-        self.steps: list[float] = []
-        self._started = 0.0
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._started = time.perf_counter()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.steps.append(time.perf_counter() - self._started)
 
 
 def _timed_saves(strategy: HybridParallelStrategy) -> list[float]:
@@ -79,7 +66,7 @@ def _rank(rank: int, world_size: int, async_save: bool, folder: str) -> dict[str
     model = ResidualMLP(width=WIDTH, depth=DEPTH, hidden=HIDDEN, optimizer="adamw")
     trainer.fit(model, datamodule=data)
     saved_steps = {EVERY * k - 1 for k in (1, 2, 3)}
-    plain = [t for i, t in enumerate(times.steps) if i not in saved_steps and i > 0]
+    plain = [t for i, t in enumerate(times.times) if i not in saved_steps and i > 0]
     return {"stalls": stalls, "step": statistics.median(plain),
             "parameters": sum(p.numel() for p in model.parameters())}
 

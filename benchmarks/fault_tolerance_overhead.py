@@ -39,6 +39,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from benchmarks.step_times import StepTimes
 from lightning_parallel.strategies import HybridParallelStrategy
 from lightning_parallel.testing import run_processes
 from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regression_dataset
@@ -51,20 +52,6 @@ PAIRS = {"data 2": ({"data_parallel_size": 2}, 2, {}, 1),
          "data 2 x pipeline 2": ({"data_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 2,
                                   "schedule": "gpipe"}, 4, {"pipeline_parallel_size": 2, "microbatches": 2,
                                                             "schedule": "gpipe"}, 2)}
-
-
-class StepTimes(Callback):
-    """Wall time of each training step on this rank."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._start = 0.0
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.times.append(time.perf_counter() - self._start)
 
 
 class SentBytes(Callback):

@@ -34,27 +34,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 
+from benchmarks.step_times import StepTimes
 from lightning_parallel.testing import run_processes
 
 LOADER_BATCHES, STEPS, WARMUP = 20, 10, 2
 RECIPES = ("hf_text", "image_folder", "image_folder_cached", "criteo")
-
-
-class StepTimes(Callback):
-    """Seconds of each training step, the loader's wait excluded."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._start = 0.0
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, out: Any, batch: Any,
-                           idx: int) -> None:
-        self.times.append(time.perf_counter() - self._start)
 
 
 def write_data(root: Path) -> dict[str, str]:

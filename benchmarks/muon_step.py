@@ -26,8 +26,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 
+from benchmarks.step_times import StepTimes
 from lightning_parallel.optim import MuonWithAdamW, muon_groups
 from lightning_parallel.strategies import HybridParallelStrategy
 from lightning_parallel.testing import run_processes
@@ -36,13 +36,12 @@ from lightning_parallel.testing.models import FixedOrderData, ResidualMLP, regre
 WIDTH, HIDDEN, DEPTH, BATCH = 256, 1024, 4, 8
 
 
-class UpdateTimes(Callback):
-    """The update's time (closure end to step end) and the whole step's, per training step."""
+class UpdateTimes(StepTimes):
+    """The update's time (closure end to step end), beside each whole step's (``times``)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.updates: list[float] = []
-        self.steps: list[float] = []
-        self._started = 0.0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         optimizer = trainer.optimizers[0]
@@ -61,12 +60,6 @@ class UpdateTimes(Callback):
             return out
 
         optimizer.step = step
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._started = time.perf_counter()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.steps.append(time.perf_counter() - self._started)
 
 
 class MuonMLP(ResidualMLP):
@@ -88,7 +81,7 @@ def _rank(rank: int, world_size: int, optimizer: str, steps: int, warmup: int) -
                          use_distributed_sampler=False, callbacks=[times])
     data = FixedOrderData(regression_dataset(steps * BATCH * world_size, WIDTH), batch_size=BATCH)
     trainer.fit(model, datamodule=data)
-    return {"update": times.updates[warmup:], "step": times.steps[warmup:]}
+    return {"update": times.updates[warmup:], "step": times.times[warmup:]}
 
 
 def main() -> None:
