@@ -48,16 +48,8 @@ def check_module(
             or a plan the tensor size does not divide.
     """
     adapter = adapter or ModelAdapter.resolve(module)
-    if layout.pipeline_parallel_enabled:
-        check_pipeline(module, layout, options, adapter=adapter)
     check_activation_checkpointing(module, options.activation_checkpointing, adapter=adapter)
-    if layout.context_parallel_enabled:
-        adapter.check_context_parallel(options.context_parallel_method, layout.context_parallel, layout.tensor_parallel)
-    adapter.check_batch_split(batch_splits(layout, options.schedule))
-    if layout.expert_parallel > 1:
-        adapter.check_expert_parallel(layout.expert_parallel)
-    check_options_on_layout(options, layout)
-    return check_tensor(module, layout, options, adapter=adapter)
+    return check_whole(module, layout, options, adapter)[1]  # the same checks parallelize runs on the whole model
 
 
 def check_activation_checkpointing(

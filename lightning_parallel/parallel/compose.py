@@ -189,14 +189,14 @@ def _apply_local_plan(module: nn.Module, layout: ParallelLayout, mesh: DeviceMes
 
 
 def _wrap_data_axis(module: nn.Module, layout: ParallelLayout, options: ParallelOptions, meshes: tuple,
-                    split: Optional[PipelineSplit], stages: list, precision: str, adapter: ModelAdapter) -> None:
+                    split: Optional[PipelineSplit], stages: list, precision: str, adapter: ModelAdapter,
+                    expert_data: Optional[Any] = None) -> None:
     """Step 5 of :func:`parallelize`: FSDP2 per layer, then per stage (or the model's roots), over the data mesh.
 
-    ``meshes`` is ``(mesh, data_mesh, expert_data_mesh)`` as :func:`parallelize` got them (the last None without
-    experts to shard over it); nothing is wrapped when there is no data axis to reduce over (``zero_stage=0`` on
-    one data rank).
+    ``meshes`` is ``(mesh, data_mesh)`` as :func:`parallelize` got them; ``expert_data`` the mesh experts are sharded
+    over (``expert_data_shard``; None: kept whole). Nothing is wrapped when there is no data axis to reduce over
+    (``zero_stage=0`` on one data rank).
     """
-    expert_data, meshes = meshes[2], meshes[:2]
     if not uses_data_axis(layout, options.zero_stage) or replicates_plain(layout, options, precision):
         return  # nothing to reduce over, or torch's DDP takes the axis once the share is materialised
     dp_mesh = data_axis_mesh(layout, options.zero_stage, *meshes)
@@ -261,8 +261,8 @@ def parallelize(module: nn.Module, *, meshes: RunMeshes, options: ParallelOption
     context_split = apply_context(module, layout, mesh, options, adapter)
     apply_experts(module, layout, _expert_axis(meshes), adapter)
     _checkpoint_and_compile(module, options, split, adapter)
-    _wrap_data_axis(module, layout, options, (mesh, meshes.data, _expert_data_mesh(meshes, options)), split, stages,
-                    build.precision, adapter)
+    _wrap_data_axis(module, layout, options, (mesh, meshes.data), split, stages, build.precision, adapter,
+                    _expert_data_mesh(meshes, options))
     if init_plan is not None:  # (7) only now is anything allocated: this rank's share
         _materialize_share(module, build.materialization, init_plan, adapter, plan, options.offload)
     pipeline_tied.mark_copies(module, tied)  # after FSDP2/TP/to_empty replaced the parameter objects
