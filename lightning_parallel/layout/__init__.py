@@ -224,6 +224,11 @@ class ParallelLayout:
         return self.data_parallel * self.context_parallel
 
     @property
+    def expert_data(self) -> int:
+        """Ranks holding the same experts (the expert-data group): data x context over the expert size."""
+        return self.data_context // self.expert_parallel
+
+    @property
     def pipeline_parallel_enabled(self) -> bool:
         return self.pipeline_parallel > 1
 

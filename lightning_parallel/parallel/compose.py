@@ -288,10 +288,9 @@ def _expert_axis(meshes: RunMeshes) -> Optional[ExpertAxis]:
 
 def _expert_data_mesh(meshes: RunMeshes, options: ParallelOptions) -> Optional[Any]:
     """The expert-data mesh experts are sharded over (``expert_data_shard``), or None: not asked, or one rank."""
-    if not options.expert_data_shard or meshes.layout.expert_parallel == 1:
-        return None
-    mesh = meshes.mesh(EXPERT_DATA)
-    return mesh if mesh.size() > 1 else None
+    layout = meshes.layout
+    sharded = options.expert_data_shard and layout.expert_parallel > 1 and layout.expert_data > 1
+    return meshes.mesh(EXPERT_DATA) if sharded else None
 
 
 def _plain_data_axis(module: nn.Module, layout: ParallelLayout, options: ParallelOptions, meshes: tuple,

@@ -85,7 +85,7 @@ def after_backward_steps(meshes: RunMeshes, replicas: Optional[Any], expert_data
     steps: list[AfterBackward] = []
     layout = meshes.layout
     if layout.expert_parallel > 1:
-        sharded = expert_data_shard and layout.data_context // layout.expert_parallel > 1
+        sharded = expert_data_shard and layout.expert_data > 1
         steps.append(ReduceExpertGradients(meshes.group(EXPERT_DATA), layout.data_context, sharded))
     if replicas is not None:
         steps.append(CommitReplicas(replicas))

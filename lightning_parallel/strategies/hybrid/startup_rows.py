@@ -29,7 +29,7 @@ def layout_rows(options: ParallelOptions, layout: ParallelLayout, precision: str
         rows["context"] = (f"{layout.context_parallel} ranks split every sequence ({o.context_parallel_method}; "
                            "head-tail chunks for causal balance)")
     if layout.expert_parallel > 1:
-        holding = layout.data_context // layout.expert_parallel
+        holding = layout.expert_data
         rows["experts"] = (f"{layout.expert_parallel} ranks share each MoE layer's experts (all-to-all token "
                            f"dispatch); " + (f"sharded again over the {holding} holding the same experts (FSDP2, "
                                              "dim 1)" if o.expert_data_shard and holding > 1 else
