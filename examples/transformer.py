@@ -17,6 +17,7 @@ Note:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Optional
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -25,23 +26,26 @@ Linear = Callable[[int, int], nn.Module]  # (in_features, out_features) -> a Lin
 
 
 class DotProductAttention(nn.Module):
-    """``softmax(q k^T / sqrt(d)) v`` over ``[batch, heads, seq, head_dim]`` tensors (torch's SDPA).
+    """``softmax(q k^T x scale) v`` over ``[batch, heads, seq, head_dim]`` tensors (torch's SDPA).
 
     Args:
         is_causal: mask attention to earlier positions.
         dropout: dropout on the attention weights (training only).
         num_heads: heads of the whole layer (what a split over heads checks before it starts).
+        scale: the scores' scale; None is ``1 / sqrt(head_dim)`` (μP passes its ``1 / d_head``; context parallelism
+            keeps it).
     """
 
-    def __init__(self, is_causal: bool, dropout: float, num_heads: int) -> None:
+    def __init__(self, is_causal: bool, dropout: float, num_heads: int, scale: Optional[float] = None) -> None:
         super().__init__()
         self.is_causal = is_causal
         self.dropout = dropout
         self.num_heads = num_heads
+        self.scale = scale
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.is_causal, dropout_p=p)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.is_causal, dropout_p=p, scale=self.scale)
 
 
 class SelfAttention(nn.Module):
@@ -53,9 +57,11 @@ class SelfAttention(nn.Module):
         dropout: dropout on the attention weights and on the output.
         causal: mask attention to earlier positions (a decoder) or not (an encoder).
         linear: makes the projections (``nn.Linear``).
+        attention_scale: the scores' scale (None: ``1 / sqrt(head_dim)``).
     """
 
-    def __init__(self, d_model: int, n_head: int, dropout: float, causal: bool, linear: Linear = nn.Linear) -> None:
+    def __init__(self, d_model: int, n_head: int, dropout: float, causal: bool, linear: Linear = nn.Linear,
+                 attention_scale: Optional[float] = None) -> None:
         super().__init__()
         self.n_head = n_head
         self.head_dim = d_model // n_head
@@ -64,7 +70,7 @@ class SelfAttention(nn.Module):
         self.k = linear(d_model, d_model)
         self.v = linear(d_model, d_model)
         self.out = linear(d_model, d_model)
-        self.core = DotProductAttention(causal, dropout, n_head)
+        self.core = DotProductAttention(causal, dropout, n_head, attention_scale)
         self.resid_drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -107,15 +113,16 @@ class Block(nn.Module):
         linear: makes the attention and MLP projections (``nn.Linear``).
         mlp: the feed-forward module in place of the dense :class:`MLP` (a mixture of experts), still named
             ``mlp``; None builds the dense one.
+        attention_scale: the attention scores' scale (None: ``1 / sqrt(head_dim)``).
     """
 
     def __init__(
         self, d_model: int, n_head: int, mlp_ratio: int, dropout: float, causal: bool, linear: Linear = nn.Linear,
-        mlp: nn.Module | None = None,
+        mlp: nn.Module | None = None, attention_scale: Optional[float] = None,
     ) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = SelfAttention(d_model, n_head, dropout, causal, linear)
+        self.attn = SelfAttention(d_model, n_head, dropout, causal, linear, attention_scale)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = MLP(d_model, mlp_ratio * d_model, dropout, linear) if mlp is None else mlp
 

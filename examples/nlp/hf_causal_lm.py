@@ -32,7 +32,9 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
+from lightning_parallel.adapters.hf.mup import CONFIG_KEY, apply_hf_mup, check_hf_mup_config, hf_mup_role, hf_mup_width
 from lightning_parallel.callbacks.hf_weights import HuggingFaceWeights
+from lightning_parallel.mup import check_mup_optimizer, mup_optimizer
 
 from ..building import BuildsInConfigureModel, seed_built_model, zero3_partitioned
 from ..optimization import weight_decay_groups, with_warmup_cosine
@@ -122,6 +124,25 @@ def model_config(
         raise ValueError(f"The data folds bytes into model.vocab_size={vocab_size} ids, but {str(folder)!r} has a "
                          f"vocabulary of {cfg.vocab_size}: set model.vocab_size={cfg.vocab_size} or less.")
     return cfg
+
+
+def check_mup_settings(cfg: Any, base_width: Optional[int], pretrained: Optional[str]) -> None:
+    """``base_width`` (μP) against the config: a family μP knows, and the base width a folder's config records.
+
+    Raises:
+        ValueError: a family :mod:`lightning_parallel.adapters.hf.mup` does not know; a config recording another
+            base width (or one, without ``base_width``); μP on a folder's weights trained without it.
+    """
+    recorded = getattr(cfg, CONFIG_KEY, None)
+    if recorded is not None and recorded != base_width:
+        raise ValueError(f"The model's config records μP's {CONFIG_KEY}={recorded}: set model.base_width={recorded} "
+                         "with scaling=mup (its weights expect μP's multipliers).")
+    if base_width is None:
+        return
+    check_hf_mup_config(cfg)
+    if pretrained is not None and recorded is None:
+        raise ValueError(f"base_width={base_width} (μP) with model.pretrained: the folder's weights were trained "
+                         "without μP's multipliers, which would change what they compute. Drop model.base_width.")
 
 
 def _zero_init_open() -> bool:
@@ -232,6 +253,9 @@ class HFCausalLM(BuildsInConfigureModel, pl.LightningModule):
         max_steps: steps of the cosine decay (the Trainer's ``max_steps``); 0 keeps lr flat after warm-up.
         pretrained: a local ``save_pretrained`` folder to start from (its config and weights; ``config`` is
             then not used), or None for random weights.
+        base_width: μP (``scaling=mup``): the ``hidden_size`` the learning rate was tuned at (the head count stays
+            as the width grows); :mod:`lightning_parallel.adapters.hf.mup` for the families it knows. None: the
+            standard parametrisation.
     """
 
     def __init__(
@@ -245,11 +269,15 @@ class HFCausalLM(BuildsInConfigureModel, pl.LightningModule):
         warmup_steps: int = 0,
         max_steps: int = 0,
         pretrained: Optional[str] = None,
+        base_width: Optional[int] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=3e-3)
         self.model_config = model_config(config, dict(config_overrides or {}), vocab_size, pretrained)
+        check_mup_settings(self.model_config, base_width, pretrained)
+        if base_width is not None:
+            check_mup_optimizer(self.optimizer_factory)
         # Training keeps no key/value cache: with one, transformers would not separate the documents of packed rows
         # (position ids restarting, data=hf_text), and the suite's context-parallel split follows what it does.
         self.model_config.use_cache = False
@@ -268,6 +296,8 @@ class HFCausalLM(BuildsInConfigureModel, pl.LightningModule):
         if hasattr(self, "model"):
             return  # fit then test with one Trainer, or build() first: built once
         self.model = new_model(self.model_config, self.hparams.attn_implementation)
+        if self.hparams.get("base_width") is not None:  # before the initialisation below reads it
+            apply_hf_mup(self.model, self.hparams.base_width)
         folder = self.hparams.get("pretrained")
         if folder is None:
             seed_built_model(self)
@@ -303,4 +333,7 @@ class HFCausalLM(BuildsInConfigureModel, pl.LightningModule):
         groups = weight_decay_groups(
             self, self.hparams.weight_decay, exempt=lambda name: "embed" in name or (tied and "lm_head" in name)
         )
-        return with_warmup_cosine(self.optimizer_factory(groups), self.hparams.warmup_steps, self.hparams.max_steps)
+        width = hf_mup_width(self.model)  # μP: the hidden matrices in groups of their own at lr x base / width
+        optimizer = (mup_optimizer(self.optimizer_factory, groups, self, hf_mup_role, width) if width
+                     else self.optimizer_factory(groups))
+        return with_warmup_cosine(optimizer, self.hparams.warmup_steps, self.hparams.max_steps)

@@ -26,51 +26,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_parallel.mup import MupWidth, check_mup_optimizer, mup_optimizer
 from lightning_parallel.optim import MuonWithAdamW, muon_groups
 
-from ..building import BuildsInConfigureModel, NormalEmbedding, NormalLinear, seed_built_model
+from ..building import BuildsInConfigureModel, NormalLinear, seed_built_model
 from ..optimization import weight_decay_groups, with_warmup_cosine
 from ..transformer import Block
+from .gpt_parts import STD, LMHead, TokenEmbedding, TokenPositions, mup_role
 from .moe import MoEFeedForward, model_balancing_loss, moe_blocks, moe_settings
 from .moe_pipeline import pipeline_begin, schedule_refusal
 
-STD = 0.02  # every weight and embedding: N(0, STD); biases zero
+__all__ = ["GPT", "IGNORE_INDEX", "STD", "LMHead", "TokenEmbedding", "TokenPositions", "token_mean"]
 
 IGNORE_INDEX = -100  # targets that carry no loss (padding, masked prompts), as in torch's cross-entropy
-
-
-class TokenPositions(nn.Module):
-    """The positions ``0..seq-1`` of a batch's tokens (a module so that context parallelism, where a rank
-    holds a share of each sequence, can name it in ``context_parallel_plan()`` and give global positions)."""
-
-    def forward(self, idx: Tensor) -> Tensor:
-        return torch.arange(idx.shape[1], device=idx.device)
-
-
-class TokenEmbedding(nn.Module):
-    """Token plus learned position embedding, then dropout."""
-
-    def __init__(self, vocab_size: int, d_model: int, seq_len: int, dropout: float) -> None:
-        super().__init__()
-        self.tok = NormalEmbedding(vocab_size, d_model, std=STD)
-        self.pos = NormalEmbedding(seq_len, d_model, std=STD)
-        self.positions = TokenPositions()
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, idx: Tensor) -> Tensor:
-        return self.drop(self.tok(idx) + self.pos(self.positions(idx)))
-
-
-class LMHead(nn.Module):
-    """Final norm and projection to vocabulary logits."""
-
-    def __init__(self, d_model: int, vocab_size: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d_model)
-        self.proj = NormalLinear(d_model, vocab_size, bias=False, std=STD)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.proj(self.norm(x))
 
 
 def token_mean(total: Tensor, count: Tensor, mean: Callable[[Tensor], Tensor]) -> Tensor:
@@ -108,6 +76,10 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
             ``every`` (MoE in every k-th block) and :class:`examples.nlp.moe.MoEFeedForward`'s arguments. The
             balancing loss joins the training loss over the global batch; the sigmoid router's bias is updated
             after each step.
+        base_width: μP (``scaling=mup``): the ``d_model`` the learning rate was tuned at; the blocks' matrices then
+            start from std x ``sqrt(base_width / d_model)`` and train at lr x ``base_width / d_model``, the logits are
+            multiplied by ``base_width / d_model`` and attention scales by ``1 / d_head``
+            (:mod:`lightning_parallel.mup`). None: the standard parametrisation.
     """
 
     def __init__(
@@ -124,6 +96,7 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
         warmup_steps: int = 0,
         max_steps: int = 0,
         moe: dict[str, Any] | None = None,
+        base_width: int | None = None,
     ) -> None:
         super().__init__()
         if d_model % n_head:
@@ -132,8 +105,14 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
             )
         if moe:
             moe_settings(moe, n_layer)  # refuse bad settings before anything is built
+        if base_width is not None and moe:
+            raise ValueError("base_width=... (μP) covers the dense GPT blocks; a router's width rule is not built: "
+                             "drop model.moe, or use scaling.width_rule=standard without model.base_width.")
+        self.mup = MupWidth(d_model, base_width) if base_width is not None else None
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=3e-3)
+        if self.mup:
+            check_mup_optimizer(self.optimizer_factory)  # before any process starts (lp-train builds the model once)
 
     def configure_model(self) -> None:
         """Create the layers (once): on ``meta`` under the suite's strategies, else with storage and the
@@ -141,17 +120,18 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
         if hasattr(self, "blocks"):
             return  # fit then test with one Trainer, or build() first: built once
         hp = self.hparams
-        linear = partial(NormalLinear, std=STD)
+        linear = partial(NormalLinear, std=STD * (self.mup.hidden_init_factor if self.mup else 1.0))
+        scale = self.mup.attention_scale(hp.d_model // hp.n_head) if self.mup else None
         self.embed = TokenEmbedding(hp.vocab_size, hp.d_model, hp.seq_len, hp.dropout)
         experts, settings = moe_settings(hp.moe, hp.n_layer) if hp.get("moe") else (set(), {})
         settings = {"hidden": hp.mlp_ratio * hp.d_model, "std": STD, **settings}
         self.blocks = nn.ModuleDict(
             {str(i): Block(hp.d_model, hp.n_head, hp.mlp_ratio, hp.dropout, causal=True, linear=linear,
                            mlp=MoEFeedForward(hp.d_model, dropout=hp.dropout, linear=linear, **settings)
-                           if i in experts else None)
+                           if i in experts else None, attention_scale=scale)
              for i in range(hp.n_layer)}
         )
-        self.head = LMHead(hp.d_model, hp.vocab_size)
+        self.head = LMHead(hp.d_model, hp.vocab_size, self.mup.output_multiplier if self.mup else 1.0)
         seed_built_model(self)
 
     # --- module protocol -------------------------------------------------------------
@@ -346,6 +326,9 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
             groups = muon_groups(self, self.hparams.weight_decay,
                                  exclude=lambda name: "embed" in name or name.startswith("head.") or "router" in name)
             return with_warmup_cosine(self.optimizer_factory(groups), self.hparams.warmup_steps, self.hparams.max_steps)
-        # Matrices of Linear layers decay; biases, norms and embedding tables do not.
+        # Matrices of Linear layers decay; biases, norms and embedding tables do not. Under μP the blocks' matrices
+        # have groups of their own at lr x base_width / d_model.
         groups = weight_decay_groups(self, self.hparams.weight_decay, exempt=lambda name: "embed" in name)
-        return with_warmup_cosine(self.optimizer_factory(groups), self.hparams.warmup_steps, self.hparams.max_steps)
+        optimizer = (mup_optimizer(self.optimizer_factory, groups, self, mup_role, self.mup) if self.mup
+                     else self.optimizer_factory(groups))
+        return with_warmup_cosine(optimizer, self.hparams.warmup_steps, self.hparams.max_steps)

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from lightning_parallel import _compat
 from lightning_parallel.adapters.hf.model import is_hf_model
+from lightning_parallel.adapters.hf.mup import scale_hidden_init
 from lightning_parallel.parallel.data import own_class
 
 
@@ -114,7 +115,7 @@ def _unset(floating: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
 
 def init_hf_module(model: nn.Module, name: str, module: nn.Module) -> None:
     """``_init_weights(module)`` of the model owning it, then its parents' branches and constructor values for the
-    tensors it left unset.
+    tensors it left unset; under μP a hidden weight's std is then scaled (:func:`~.mup.scale_hidden_init`).
 
     Args:
         model: the Hugging Face model.
@@ -124,6 +125,12 @@ def init_hf_module(model: nn.Module, name: str, module: nn.Module) -> None:
     Raises:
         ValueError: a tensor neither ``_init_weights`` nor a freshly built instance of its class sets.
     """
+    _init_own(model, name, module)
+    scale_hidden_init(model, name, module)
+
+
+def _init_own(model: nn.Module, name: str, module: nn.Module) -> None:
+    """:func:`init_hf_module` without μP's scaling."""
     floating = [(attr, t) for attr, t in _own(module) if t.is_floating_point() and not t.is_meta]
     with torch.no_grad():
         for _, tensor in floating:
