@@ -13,18 +13,24 @@ Rules (given a reference run: its global batch, lr and warm-up):
   Adam-family optimizers); warm-up as for ``linear``.
 * ``fixed_global_batch``: keep the reference global batch by choosing the gradient
   accumulation from the data-parallel size; lr and warm-up unchanged.
+
+Width rules (``scaling.width_rule``, with any of the above): ``standard`` uses the lr as it is at every width;
+``mup`` (μP, :mod:`lightning_parallel.mup`) keeps it right as the model widens from ``model.base_width``: the
+model trains its hidden matrices at lr x ``base_width / width`` and multiplies its logits by the same, so the lr
+these rules produce is the embeddings' and vectors' lr at any width.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from lightning_parallel.layout import ParallelLayout
 
 RULES = ("none", "linear", "sqrt", "fixed_global_batch")
+WIDTH_RULES = ("standard", "mup")
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,7 @@ class Reference:
 
 @dataclass(frozen=True)
 class EffectiveHparams:
-    """What a run actually uses after rescaling."""
+    """What a run actually uses after rescaling (``base_width``: μP's, under ``width_rule="mup"``)."""
 
     rule: str
     data_parallel: int
@@ -55,6 +61,8 @@ class EffectiveHparams:
     global_batch_size: int
     lr: float
     warmup_steps: int
+    width_rule: str = "standard"
+    base_width: Optional[int] = None
 
     def as_dict(self) -> dict:
         """The fields as a plain dict (for configs, loggers and ``metrics.json``)."""
@@ -97,6 +105,27 @@ def _indivisible_message(global_batch: int, micro_batch_size: int, data_parallel
             f"{micro}.")
 
 
+def check_width_rule(width_rule: str, base_width: object, key: str = "model.base_width") -> None:
+    """``width_rule`` and the model's base width must agree: ``mup`` needs one, ``standard`` must not be given one.
+
+    Args:
+        width_rule: ``standard`` or ``mup``.
+        base_width: the model's base width (None: not set).
+        key: where the config keeps it, for the messages.
+
+    Raises:
+        ValueError: an unknown rule, ``mup`` without a positive base width, or ``standard`` with one.
+    """
+    if width_rule not in WIDTH_RULES:
+        raise ValueError(f"Unknown scaling.width_rule {width_rule!r}: choose one of {', '.join(WIDTH_RULES)}.")
+    if width_rule == "standard" and base_width is not None:
+        raise ValueError(f"{key}={base_width} asks for μP, but scaling.width_rule=standard: add scaling=mup (or "
+                         f"scaling.width_rule=mup to the scaling rule you use), or drop {key}.")
+    if width_rule == "mup" and (isinstance(base_width, bool) or not isinstance(base_width, int) or base_width < 1):
+        raise ValueError(f"scaling.width_rule=mup needs {key}: the width the learning rate was tuned at, a positive "
+                         f"integer (e.g. {key}=64, the reference run's width), not {base_width!r}.")
+
+
 def rescale(
     rule: str,
     reference: Reference,
@@ -105,6 +134,9 @@ def rescale(
     accumulate_grad_batches: int = 1,
     lr: Optional[float] = None,
     warmup_steps: int = 0,
+    *,
+    width_rule: str = "standard",
+    base_width: Optional[int] = None,
 ) -> EffectiveHparams:
     """Apply ``rule`` for a run with ``data_parallel`` replicas.
 
@@ -117,13 +149,23 @@ def rescale(
         lr: configured learning rate (used by ``none``, and as the reference lr when the
             reference gives none).
         warmup_steps: configured warm-up (likewise).
+        width_rule: ``standard`` or ``mup`` (:func:`check_width_rule`); the lr is the same under both.
+        base_width: the model's base width (``mup`` only).
 
     Raises:
-        ValueError: unknown rule, missing reference values, or a reference global batch that
-            cannot be reached exactly; the message names the fix.
+        ValueError: unknown rule, missing reference values, a reference global batch that
+            cannot be reached exactly, or a width rule and base width that disagree; the message names the fix.
     """
     if rule not in RULES:
         raise ValueError(f"Unknown scaling rule {rule!r}: choose one of {', '.join(RULES)}.")
+    check_width_rule(width_rule, base_width)
+    return replace(_rescale(rule, reference, data_parallel, micro_batch_size, accumulate_grad_batches, lr,
+                            warmup_steps), width_rule=width_rule, base_width=base_width)
+
+
+def _rescale(rule: str, reference: Reference, data_parallel: int, micro_batch_size: int,
+             accumulate_grad_batches: int, lr: Optional[float], warmup_steps: int) -> EffectiveHparams:
+    """:func:`rescale`'s batch rules."""
     _check_positive("data_parallel", data_parallel)
     _check_positive("micro_batch_size", micro_batch_size)
     _check_positive("accumulate_grad_batches", accumulate_grad_batches)
@@ -167,6 +209,9 @@ def rescale_for_layout(
     accumulate_grad_batches: int = 1,
     lr: Optional[float] = None,
     warmup_steps: int = 0,
+    *,
+    width_rule: str = "standard",
+    base_width: Optional[int] = None,
 ) -> EffectiveHparams:
     """:func:`rescale` for a resolved layout: only its data-parallel size counts.
 
@@ -184,8 +229,11 @@ def rescale_for_layout(
         accumulate_grad_batches: configured accumulation.
         lr: configured learning rate.
         warmup_steps: configured warm-up.
+        width_rule: ``standard`` or ``mup``.
+        base_width: the model's base width (``mup`` only).
     """
-    return rescale(rule, reference, layout.data_parallel, micro_batch_size, accumulate_grad_batches, lr, warmup_steps)
+    return rescale(rule, reference, layout.data_parallel, micro_batch_size, accumulate_grad_batches, lr, warmup_steps,
+                   width_rule=width_rule, base_width=base_width)
 
 
 def lr_factor(rule: str, data_parallel: int, reference_data_parallel: int) -> float:

@@ -139,7 +139,7 @@ def check_mup_settings(cfg: Any, base_width: Optional[int], pretrained: Optional
                          "with scaling=mup (its weights expect μP's multipliers).")
     if base_width is None:
         return
-    check_hf_mup_config(cfg)
+    check_hf_mup_config(cfg, base_width)
     if pretrained is not None and recorded is None:
         raise ValueError(f"base_width={base_width} (μP) with model.pretrained: the folder's weights were trained "
                          "without μP's multipliers, which would change what they compute. Drop model.base_width.")

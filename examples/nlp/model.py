@@ -106,8 +106,8 @@ class GPT(BuildsInConfigureModel, pl.LightningModule):
         if moe:
             moe_settings(moe, n_layer)  # refuse bad settings before anything is built
         if base_width is not None and moe:
-            raise ValueError("base_width=... (μP) covers the dense GPT blocks; a router's width rule is not built: "
-                             "drop model.moe, or use scaling.width_rule=standard without model.base_width.")
+            raise ValueError(f"base_width={base_width} (μP) covers the dense GPT blocks; a router's width rule is not "
+                             "built: drop model.moe, or leave μP out (drop scaling=mup and model.base_width).")
         self.mup = MupWidth(d_model, base_width) if base_width is not None else None
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=3e-3)

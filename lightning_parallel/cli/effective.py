@@ -13,7 +13,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_parallel.cli.run_folder import job_label
 from lightning_parallel.layout import ParallelLayout
-from lightning_parallel.scaling import EffectiveHparams, Reference, rescale_for_layout
+from lightning_parallel.scaling import EffectiveHparams, Reference, check_width_rule, rescale_for_layout
+
+_ABSENT = object()
 
 
 def _select(cfg: DictConfig, path: str) -> Any:
@@ -21,6 +23,28 @@ def _select(cfg: DictConfig, path: str) -> Any:
     if value is None:
         raise ValueError(f"scaling.apply_to points at {path!r}, which is not in the config: fix scaling.apply_to.")
     return value
+
+
+def width_settings(cfg: DictConfig) -> tuple[str, Any]:
+    """``(scaling.width_rule, the model's base width)``, checked against each other before anything is built.
+
+    The base width is read where ``scaling.apply_to.base_width`` points (``model.base_width``); the model applies
+    μP itself from it (:mod:`lightning_parallel.mup`), the width rule only has to agree.
+
+    Raises:
+        ValueError: ``mup`` for a model that takes no base width or was given none, ``standard`` with one.
+    """
+    rule = str(cfg.scaling.get("width_rule") or "standard")
+    key = str(cfg.scaling.apply_to.get("base_width") or "model.base_width")
+    base_width = OmegaConf.select(cfg, key, default=_ABSENT)
+    if rule == "mup" and base_width is _ABSENT:
+        target = OmegaConf.select(cfg, "model._target_", default="?")
+        raise ValueError(f"scaling.width_rule=mup needs {key}, and the model ({target}) takes none: μP is built for "
+                         "the GPT recipe (model=gpt) and Hugging Face decoders (model=hf_causal_lm). A model of your "
+                         "own that applies it names its setting in scaling.apply_to.base_width.")
+    base_width = None if base_width is _ABSENT else base_width
+    check_width_rule(rule, base_width, key)
+    return rule, base_width
 
 
 def apply_scaling(cfg: DictConfig, layout: ParallelLayout) -> EffectiveHparams:
@@ -37,6 +61,7 @@ def apply_scaling(cfg: DictConfig, layout: ParallelLayout) -> EffectiveHparams:
     scaling = cfg.scaling
     targets = scaling.apply_to
     reference = Reference(**OmegaConf.to_container(scaling.reference, resolve=True))
+    width_rule, base_width = width_settings(cfg)
     effective = rescale_for_layout(
         scaling.rule,
         reference,
@@ -45,6 +70,8 @@ def apply_scaling(cfg: DictConfig, layout: ParallelLayout) -> EffectiveHparams:
         accumulate_grad_batches=int(_select(cfg, targets.accumulate_grad_batches)),
         lr=float(_select(cfg, targets.lr)),
         warmup_steps=int(_select(cfg, targets.warmup_steps)) if targets.get("warmup_steps") else 0,
+        width_rule=width_rule,
+        base_width=base_width,
     )
     with open_dict(cfg):
         OmegaConf.update(cfg, targets.micro_batch_size, effective.micro_batch_size)
@@ -69,7 +96,7 @@ def reproduce_overrides(effective: EffectiveHparams) -> list[str]:
         f"scaling.reference.lr={ref.lr!r}",
         f"scaling.reference.warmup_steps={ref.warmup_steps}",
         f"scaling.reference.devices={ref.devices}",
-    ]
+    ] + (["scaling.width_rule=mup"] if effective.width_rule == "mup" else [])  # the base width is in the model config
 
 
 def _job_info() -> dict[str, Any]:

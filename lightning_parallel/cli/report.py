@@ -73,6 +73,9 @@ def scaling_rows(hparams: EffectiveHparams, reference: Optional[Mapping[str, Any
         ("learning rate", f"{h.lr:.4g}" + lr_reference),
         ("warm-up steps", str(h.warmup_steps) + (f"  (reference {ref.get('warmup_steps')})" if ref else "")),
     ]  # fmt: skip
+    if h.width_rule == "mup":
+        rows.append(("width rule", f"mup from base width {h.base_width}: the lr above for embeddings, norms, biases "
+                                   "and the head; hidden matrices at lr x base/width, logits x base/width"))
     return rows
 
 

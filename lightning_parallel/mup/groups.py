@@ -44,7 +44,8 @@ def check_mup_optimizer(factory: Any) -> None:
     raise ValueError(
         f"scaling=mup prescribes the learning rates of Adam-family optimizers (torch.optim.Adam, torch.optim.AdamW), "
         f"not {name} (SGD's and Muon's hidden weights scale otherwise; Muon's own adjust_lr_fn=match_rms_adamw is "
-        "its width rule): set model.optimizer._target_=torch.optim.AdamW, or scaling.width_rule=standard.")
+        "its width rule): set model.optimizer._target_=torch.optim.AdamW, or leave μP out (drop scaling=mup and "
+        "model.base_width).")
 
 
 def mup_roles(module: nn.Module, role: Role) -> dict[str, str]:

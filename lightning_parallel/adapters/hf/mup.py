@@ -55,12 +55,16 @@ def hf_mup_role(name: str, param: Tensor) -> str:
         return "vector"
     raise ValueError(f"μP knows no role for {name} (a {full_ndim(param)}-D parameter): the decoders it knows hold "
                      "embed_tokens, lm_head, q/k/v/o_proj, gate/up/down_proj, norms and biases only. Use a "
-                     f"model of {', '.join(MUP_FAMILIES)} (model.config=llama), or scaling.width_rule=standard "
-                     "without model.base_width.")
+                     f"model of {', '.join(MUP_FAMILIES)} (model.config=llama), or leave μP out "
+                     "(drop scaling=mup and model.base_width).")
 
 
-def check_hf_mup_config(config: Any) -> None:
+def check_hf_mup_config(config: Any, base_width: Optional[int] = None) -> None:
     """Refuse a config whose family :func:`hf_mup_role` does not know (before the model is built).
+
+    Args:
+        config: the ``transformers`` config.
+        base_width: the base width asked for (for the message).
 
     Raises:
         ValueError: ``config.model_type`` outside :data:`MUP_FAMILIES`, naming the fix.
@@ -68,9 +72,9 @@ def check_hf_mup_config(config: Any) -> None:
     family = getattr(config, "model_type", None)
     if family not in MUP_FAMILIES:
         raise ValueError(
-            f"base_width=... (μP) knows the shapes of {', '.join(MUP_FAMILIES)} decoders, not {type(config).__name__} "
-            f"(model_type {family!r}): use model.config=llama (or qwen2, mistral), or scaling.width_rule=standard "
-            "without model.base_width.")
+            f"base_width={base_width} (μP) knows the shapes of {', '.join(MUP_FAMILIES)} decoders, not "
+            f"{type(config).__name__} (model_type {family!r}): use model.config=llama (or qwen2, mistral), or leave "
+            "μP out (drop scaling=mup and model.base_width).")
 
 
 def hf_mup_width(model: nn.Module) -> Optional[MupWidth]:
@@ -113,15 +117,15 @@ def apply_hf_mup(model: nn.Module, base_width: int) -> MupWidth:
         ValueError: a family or a parameter μP does not know, or attention modules that do not match the layers.
     """
     config = model.config
-    check_hf_mup_config(config)
+    check_hf_mup_config(config, base_width)
     for name, param in model.named_parameters():
         hf_mup_role(name, param)
     width = MupWidth(int(config.hidden_size), base_width)
     attentions = _attentions(model)
     if len(attentions) != config.num_hidden_layers:
         raise ValueError(f"{type(model).__name__}: found {len(attentions)} attention modules with a float 'scaling' "
-                         f"for {config.num_hidden_layers} layers; μP cannot set 1/d_head on each. Use "
-                         "scaling.width_rule=standard without model.base_width.")
+                         f"for {config.num_hidden_layers} layers; μP cannot set 1/d_head on each. Leave μP out "
+                         "(drop scaling=mup and model.base_width).")
     for attention in attentions:
         attention.scaling = width.attention_scale(int(attention.head_dim))
     model.get_output_embeddings().register_forward_hook(OutputMultiplier(width.output_multiplier))
