@@ -263,6 +263,22 @@ class ModelAdapter:
             )
         return plan
 
+    # FP8 training --------------------------------------------------------------------------
+    def high_precision_layers(self) -> dict[str, str]:
+        """``{glob: why}`` of the Linear layers FP8 training leaves in high precision (:mod:`.float8`): the module's
+        own ``float8_high_precision()`` where it defines one; else its first and last pipeline layers (the input
+        projection, the output head) and mixture-of-experts routers (``*router``), as torchtitan keeps them."""
+        own = getattr(self.module, "float8_high_precision", None)
+        if callable(own):
+            return dict(own())
+        kept = {"*router": "MoE router"}
+        layers = self.layers() or []
+        names = {id(m): n for n, m in self.module.named_modules() if n}
+        for layer, why in ((layers[:1], "input layer"), (layers[-1:], "output head")):
+            if layer and id(layer[0]) in names:
+                kept.update({names[id(layer[0])]: why, f"{names[id(layer[0])]}.*": why})
+        return kept
+
     # Losses --------------------------------------------------------------------------------
     def check_batch_split(self, splits: list[str]) -> None:
         """Refuse, before start, a loss the layout would change: one that is not a mean over items, formed on

@@ -6,6 +6,8 @@ tensor layout, in torchtitan's order:
 1. **pipeline split** -- cut ``pipeline_layers()`` into stages and keep only this rank's
    layers (the others become parameter-free placeholders), so every later step touches
    only what this rank holds and parameter names never change;
+   then **FP8** (``float8``, :mod:`.float8`): this rank's chosen Linear layers become torchao's
+   ``Float8Linear`` -- before TP and FSDP2, which shard the converted weights (torchao's order);
 2. **tensor parallelism** -- ``parallelize_module`` on the submodules this rank holds; it
    must precede FSDP2, which shards the DTensor parameters TP created along one more axis;
    then **context attention** (:mod:`.context`): the adapter replaces the attention this rank holds
@@ -61,11 +63,13 @@ from lightning_parallel.parallel.checks import (  # noqa: F401 -- check_module e
     refuse_parallelized,
 )
 from lightning_parallel.parallel.compile import compile_layers
+from lightning_parallel.parallel.context_and_experts import ExpertAxis, apply_context, apply_experts
 from lightning_parallel.parallel.data import data_axis_mesh, shard_data_axis, uses_data_axis
-from lightning_parallel.parallel.materialize import InitPlan, Materialization, materialize, plan_initialisation
+from lightning_parallel.parallel.float8.choice import Float8Choice
+from lightning_parallel.parallel.float8.convert import apply_float8, float8_choice
+from lightning_parallel.parallel.materialize import InitPlan, Materialization, materialize, meta_init_plan
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.parallel.pipeline import tied as pipeline_tied
-from lightning_parallel.parallel.pipeline.chain_check import on_meta
 from lightning_parallel.parallel.pipeline.cut import last_stage_rank, split_pipeline, tie_copies
 from lightning_parallel.parallel.pipeline.plan import PipelinePlan
 from lightning_parallel.parallel.pipeline.stages import (
@@ -76,7 +80,6 @@ from lightning_parallel.parallel.precision import fsdp_policy
 from lightning_parallel.parallel.replicated import replicate_module, replicates_plain
 from lightning_parallel.parallel.tensor.gradients import resettle_gradients
 from lightning_parallel.parallel.tensor.plan import apply_tensor_parallel
-from lightning_parallel.parallel.context_and_experts import ExpertAxis, apply_context, apply_experts
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -106,6 +109,7 @@ class Parallelized:
         context_split: how batches split along the sequence and outputs join (None without context parallelism).
         replicated: the ``DistributedDataParallel`` wrapper of the module when the data axis is plain DDP
             (:mod:`.replicated`): the strategy trains through it; None where FSDP2 (or nothing) holds the axis.
+        float8: what FP8 training converted and kept (:class:`~.float8.Float8Choice`; None without ``float8``).
     """
 
     layout: ParallelLayout
@@ -122,6 +126,7 @@ class Parallelized:
     loss_terms: bool = False
     context_split: Optional[SequenceSplit] = None
     replicated: Optional[nn.Module] = None
+    float8: Optional[Float8Choice] = None
 
     @property
     def pipelined(self) -> bool:
@@ -234,6 +239,12 @@ class BuildSettings:
     on_split: Optional[Callable[[PipelineSplit], Any]] = None
     simulated: bool = False
 
+    def device(self, module: nn.Module) -> torch.device:
+        """Where ``module`` computes: the materialisation's device, else its parameters' (CPU without any)."""
+        if self.materialization is not None:
+            return self.materialization.device
+        return next(module.parameters(), torch.empty(0)).device
+
 
 def parallelize(module: nn.Module, *, meshes: RunMeshes, options: ParallelOptions, adapter: ModelAdapter,
                 build: BuildSettings = BuildSettings()) -> Parallelized:
@@ -253,10 +264,12 @@ def parallelize(module: nn.Module, *, meshes: RunMeshes, options: ParallelOption
     """
     refuse_parallelized(module)
     layout, mesh = meshes.layout, meshes.run
-    init_plan = None if build.simulated else _plan_materialization(module, adapter, build.materialization)
+    init_plan = None if build.simulated else meta_init_plan(module, adapter.init_module, build.materialization)
     pipe, plan = check_whole(module, layout, options, adapter)
+    float8 = float8_choice(module, adapter, options, layout, plan, build.device(module)) if options.float8 else None
     split, stages, stage_ids, last, tied = _cut(module, layout, options, meshes.rank, build.layer_times, pipe,
                                                 build.on_split)
+    plan = apply_float8(module, float8, plan) if float8 is not None else plan  # (1b) before TP and FSDP2
     _apply_local_plan(module, layout, mesh, plan, adapter)
     context_split = apply_context(module, layout, mesh, options, adapter)
     apply_experts(module, layout, _expert_axis(meshes), adapter)
@@ -272,7 +285,7 @@ def parallelize(module: nn.Module, *, meshes: RunMeshes, options: ParallelOption
         last_stage_rank=last, loss_fn=loss_fn, count_items=count, tied=tuple(tied), adapter=adapter,
         loss_terms=pipe is not None and pipe.loss_terms, context_split=context_split,
         replicated=None if build.simulated else _plain_data_axis(module, layout, options, (mesh, meshes.data),
-                                                                 build.precision))
+                                                                 build.precision), float8=float8)
 
 
 def _expert_axis(meshes: RunMeshes) -> Optional[ExpertAxis]:
@@ -328,16 +341,3 @@ def _materialize_share(module: nn.Module, materialization: Materialization, init
             for name, buffer in list(owner.named_buffers(recurse=False)):
                 setattr(owner, name, buffer.to(materialization.device))
     resettle_gradients(module, plan)
-
-
-def _plan_materialization(module: nn.Module, adapter: ModelAdapter,
-                          materialization: Optional[Materialization]) -> Optional[InitPlan]:
-    """The initialisation plan of a ``meta`` model (None for one that has its storage already)."""
-    if not on_meta(module):
-        return None
-    if materialization is None:
-        raise ValueError(
-            f"{type(module).__name__} is on the meta device: pass materialization=Materialization(device, seed) so "
-            "parallelize allocates and initialises this rank's share, or build the model with storage."
-        )
-    return plan_initialisation(module, materialization.seed, adapter.init_module)

@@ -100,6 +100,27 @@ def plan_initialisation(module: nn.Module, seed: int, init: InitFn = reset_param
     return plan
 
 
+def meta_init_plan(module: nn.Module, init: InitFn, materialization: Optional[Materialization]) -> Optional[InitPlan]:
+    """The initialisation plan of a ``meta`` model (None for one that has its storage already).
+
+    Args:
+        module: the whole model, before any split.
+        init: the adapter's initialiser.
+        materialization: device and seed (required for a ``meta`` model).
+
+    Raises:
+        ValueError: a ``meta`` model without ``materialization``.
+    """
+    if not any(p.is_meta for p in module.parameters()):
+        return None
+    if materialization is None:
+        raise ValueError(
+            f"{type(module).__name__} is on the meta device: pass materialization=Materialization(device, seed) so "
+            "parallelize allocates and initialises this rank's share, or build the model with storage."
+        )
+    return plan_initialisation(module, materialization.seed, init)
+
+
 def _full_values(plan: InitPlan, owner: str, init: InitFn) -> dict[str, Tensor]:
     """The owner's direct tensors at full size on the CPU, drawn from its own seeded stream.
 

@@ -19,6 +19,7 @@ from lightning_parallel.layout import ParallelLayout, Size, check_size
 from lightning_parallel.parallel import option_checks as checks
 from lightning_parallel.parallel.activation_checkpoint import Choice, check_choice
 from lightning_parallel.parallel.compile import Compile, check_compile, compile_backend
+from lightning_parallel.parallel.float8.checks import check_float8_options
 from lightning_parallel.parallel.option_checks import CONTEXT_METHODS, OFFLOAD_MODES, ZERO_STAGES, check_dtype_option
 from lightning_parallel.parallel.pipeline.schedules import validate_schedule
 
@@ -153,6 +154,11 @@ class ParallelOptions:
             expert-data group; torchtitan's ``efsdp``): FSDP2 cuts their second dimension, gathers them for the
             expert matmuls and reduce-scatters their gradients, so expert bytes per rank fall with the data size.
             False: the expert-data ranks each keep their experts whole and all-reduce the gradients.
+        float8: FP8 training through torchao (:mod:`lightning_parallel.parallel.float8`, docs/float8.md): ``None``
+            (off), ``"tensorwise"`` or ``"rowwise"`` scaling; Linear layers become ``Float8Linear`` before tensor
+            parallelism and FSDP2, except those the model's adapter keeps in high precision (head, router).
+        float8_all_gather: FSDP2 all-gathers FP8 weights (tensorwise only): None: on under ZeRO 2/3, True:
+            required, False: gathered in high precision.
 
     Raises:
         ValueError: any option that cannot work, naming the fix.
@@ -187,6 +193,8 @@ class ParallelOptions:
     context_parallel_method: str = "ring"
     expert_parallel_size: int = 1
     expert_data_shard: bool = False
+    float8: Optional[str] = None
+    float8_all_gather: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
@@ -212,6 +220,7 @@ class ParallelOptions:
         checks.check_prefetch(self.fsdp_prefetch, self.zero_stage)
         checks.check_offload(self.offload, self.zero_stage)
         checks.check_context(self.context_parallel_size, self.expert_parallel_size, self.context_parallel_method)
+        check_float8_options(self.float8, self.float8_all_gather, self.zero_stage)
         if self.expert_data_shard and self.expert_parallel_size == 1:
             raise ValueError("expert_data_shard=True shards the experts each expert-parallel rank holds; with "
                              "expert_parallel_size=1 there are none: set expert_parallel_size > 1, or shard every "
@@ -277,7 +286,8 @@ class ParallelOptions:
                 self.loss_parallel, repr(self.plan), self.activation_checkpointing, self.param_dtype, self.reduce_dtype,
                 self.data_replicate_size, self.data_shard_size, self.bucket_size_mb, self.fsdp_prefetch,
                 self.offload, self.context_parallel_size, self.context_parallel_method, self.expert_parallel_size,
-                self.compile, self.find_unused_parameters, self.expert_data_shard)
+                self.compile, self.find_unused_parameters, self.expert_data_shard, self.float8,
+                self.float8_all_gather)
 
 
 def option_names() -> tuple[str, ...]:

@@ -287,6 +287,20 @@ class HuggingFaceAdapter(ModelAdapter):
         weighting = TokenWeightedLoss(self.model, group_sum(group), data_parallel_size)
         return with_router_loss(self.model, weighting, group_sum(group), data_parallel_size)
 
+    def high_precision_layers(self) -> dict[str, str]:
+        """The output head (the model's output embeddings, ``lm_head``) and each MoE router (the ``gate``/``router``
+        and a shared expert's gate beside an ``experts`` module); the module's ``float8_high_precision()`` wins."""
+        if callable(getattr(self.module, "float8_high_precision", None)):
+            return super().high_precision_layers()
+        head, kept = self.model.get_output_embeddings(), {}
+        for name, sub in self.module.named_modules():
+            if head is not None and sub is head:
+                kept[name] = "output head"
+            if isinstance(getattr(sub, "experts", None), nn.Module):  # a sparse block: its routers
+                kept.update({f"{name}.{child}": "MoE router" for child in ("gate", "router", "shared_expert_gate")
+                             if isinstance(getattr(sub, child, None), nn.Module)})
+        return kept
+
     def init_module(self, name: str, module: nn.Module) -> None:
         """The model's own per-module initialiser (``_init_weights``: its ``initializer_range``, norms to one, the
         rotary ``inv_freq`` from the config) inside the Hugging Face model; the protocol's outside it."""

@@ -51,7 +51,12 @@ def build_parallelized(strategy: Any, module: pl.LightningModule, trainer: pl.Tr
                        "the whole model before the split; build it in configure_model() to hold only its share.")
     build = BuildSettings(str(strategy.precision_plugin.precision), Materialization(strategy.root_device, seed), times,
                           lambda split: _print_split(strategy, split))
-    return parallelize(module, meshes=strategy.meshes, options=options, adapter=adapter, build=build)
+    parallelized = parallelize(module, meshes=strategy.meshes, options=options, adapter=adapter, build=build)
+    if parallelized.float8 is not None:  # never silently: which Linear layers stay in high precision, and why
+        from lightning_parallel.parallel.float8.checks import torchao_version
+
+        rank_zero_info(parallelized.float8.notice(torchao_version()))
+    return parallelized
 
 
 def _print_split(strategy: Any, split: PipelineSplit) -> None:

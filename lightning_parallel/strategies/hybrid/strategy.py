@@ -33,6 +33,8 @@ from lightning_parallel.layout.meshes import RunMeshes
 from lightning_parallel.parallel.checks import check_checkpoint_format
 from lightning_parallel.parallel.compose import Parallelized, check_module
 from lightning_parallel.parallel.data import deferred_gradient_sync
+from lightning_parallel.parallel.float8.checks import check_float8_device
+from lightning_parallel.parallel.float8.convert import precompute_scales
 from lightning_parallel.parallel.options import ParallelOptions, options_from
 from lightning_parallel.parallel.pipeline.chain_check import on_meta
 from lightning_parallel.parallel.precision import check_precision
@@ -120,6 +122,7 @@ class HybridParallelStrategy(HybridRunViews, HybridCheckpointIO, ReduceWithoutBa
         if not self._built_for_this_module and not is_overridden("configure_model", self.lightning_module):
             check_module(self.lightning_module, self.layout, self.options, adapter=self.adapter)
         check_precision(self.precision_plugin.precision, self.options, self.layout)
+        check_float8_device(self.options.float8, self.root_device)
         # Offloaded gradients live on the CPU: the clipping norm and checkpoint gathers need a CPU backend beside
         # NCCL (torchtitan's "cuda:nccl,cpu:gloo" under FSDP2 CPU offload).
         cpu_too = self.options.offload != "none" and self.root_device.type == "cuda"
@@ -226,9 +229,12 @@ class HybridParallelStrategy(HybridRunViews, HybridCheckpointIO, ReduceWithoutBa
     @override
     @names_timeouts("optimizer_step (global-norm clipping, non-finite check)")
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        return step_with(self._after_backward, self.lightning_module, optimizer, closure,
-                         lambda chained: super(HybridParallelStrategy, self).optimizer_step(optimizer, chained, model,
-                                                                                            **kwargs))
+        result = step_with(self._after_backward, self.lightning_module, optimizer, closure,
+                           lambda chained: super(HybridParallelStrategy, self).optimizer_step(optimizer, chained, model,
+                                                                                              **kwargs))
+        if self.parallelized.float8 is not None and self.parallelized.float8.all_gather:
+            precompute_scales(self.lightning_module)  # the next FP8 all-gathers' scales, in one all-reduce
+        return result
 
     @override
     def teardown(self) -> None:
