@@ -4,13 +4,15 @@ Note:
     Lightning's own subprocess launcher re-runs ``sys.argv`` for ranks 1..N-1. Under a
     Hydra multirun (``-m strategy=ddp trainer.devices=1,2``) that would make every child
     run the whole sweep again (hydra#2070, lightning-hydra-template#393). Here each job of
-    a sweep starts its own children from that job's *resolved* config, written to
-    ``.lp/<run id>/config.yaml`` in the job's folder; each child checks that file's run id and
-    SHA-256 (from its environment) before using it, so it runs exactly that one job, never a
-    file another run wrote. Rank 0 is the current process; it gets the same environment
-    ``torchrun`` would give, so Lightning sees the processes as externally launched and does
-    not launch again. Children run in their own session (a terminal's Ctrl-C reaches the
-    launcher, which forwards it once to each: :mod:`lightning_parallel.runtime.signals`) and die with it.
+    a sweep starts its own children for that one job: on CPU by forking after the imports and
+    checks (:mod:`.forked_rank`: the child runs the job the launcher composed), on CUDA from
+    that job's *resolved* config, written to ``.lp/<run id>/config.yaml`` in the job's folder;
+    each such child checks that file's run id and SHA-256 (from its environment) before using
+    it, so it runs exactly that one job, never a file another run wrote. Rank 0 is the current
+    process; it gets the same environment ``torchrun`` would give, so Lightning sees the
+    processes as externally launched and does not launch again. Children run in their own
+    session (a terminal's Ctrl-C reaches the launcher, which forwards it once to each:
+    :mod:`lightning_parallel.runtime.signals`) and die with it.
 """
 
 from __future__ import annotations
@@ -21,14 +23,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_parallel.cli.errors import earlier_rank_error, read_rank_error
+from lightning_parallel.cli.forked_rank import fork_rank, start_method
 from lightning_parallel.cli.run_folder import ENV_CONFIG_SHA, ENV_RUN_ID, verify_rank_config, write_rank_config
 from lightning_parallel.runtime import signals
 from lightning_parallel.runtime.ports import free_port
@@ -149,17 +152,23 @@ def _after_rank_zero_failed(error: BaseException, watcher: _ChildWatcher, childr
 
 
 @contextmanager
-def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int, run_id: str) -> Iterator[None]:
+def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int, run_id: str,
+                rank_body: Optional[Callable[[], int]] = None) -> Iterator[None]:
     """Start ranks 1..nprocs-1 as children and make this process rank 0 for the duration.
+
+    Children are forked from this process where that is safe (CPU runs on Linux: :mod:`.forked_rank`), so they
+    start with the imports and checks done; otherwise each is a new interpreter on the resolved config.
 
     Args:
         cfg: the job's composed config (resolved and written to ``run_dir/.lp/<run_id>/config.yaml``).
         run_dir: the job's output folder, shared by all ranks.
         nprocs: number of processes on this node.
         run_id: the run's id: the children check that their configuration file carries it.
+        rank_body: what a forked child runs (returns its exit code); None: always start new interpreters.
     """
-    resolved = OmegaConf.to_yaml(OmegaConf.to_container(cfg, resolve=True))
-    config_dir, sha256 = write_rank_config(run_dir, run_id, resolved)
+    import torch
+
+    method = start_method(cfg.trainer.get("accelerator", "auto")) if rank_body is not None else "spawn"
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nprocs))
     rank_env = {
         "MASTER_ADDR": "127.0.0.1",
@@ -168,16 +177,23 @@ def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int, run_id: str) -> Ite
         "LOCAL_WORLD_SIZE": str(nprocs),
         "NODE_RANK": "0",
     }
+    # Written for forked ranks too: the record of the exact configuration every rank of this run trains on.
+    resolved = OmegaConf.to_yaml(OmegaConf.to_container(cfg, resolve=True))
+    config_dir, sha256 = write_rank_config(run_dir, run_id, resolved)
     identity = {ENV_RUN_ID: run_id, ENV_CONFIG_SHA: sha256, "LP_PARENT_PID": str(os.getpid())}
-    children = []
+    children: list[Any] = []
     for rank in range(1, nprocs):
         env = {**os.environ, **rank_env, **identity,
                "LOCAL_RANK": str(rank), "RANK": str(rank), "OMP_NUM_THREADS": threads}
-        children.append(_start_child(rank, config_dir, run_dir, env))
+        children.append(fork_rank(rank, env, run_dir, rank_body) if method == "fork"
+                        else _start_child(rank, config_dir, run_dir, env))
     shutdown = signals.current()
     if shutdown is not None:
         shutdown.children = children
     os.environ.update({**rank_env, "LOCAL_RANK": "0", "RANK": "0", "OMP_NUM_THREADS": threads})
+    # OMP_NUM_THREADS is read when torch loads: rank 0's share of the cores is set here, and given back after.
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(int(threads))
     watcher = _ChildWatcher(children, run_dir)
     watcher.start()
     try:
@@ -186,6 +202,7 @@ def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int, run_id: str) -> Ite
         _after_rank_zero_failed(error, watcher, children, run_dir)
         raise
     finally:
+        torch.set_num_threads(threads_before)
         watcher.stopped.set()
         # After a stop the checkpoint is written: what the ranks still do is teardown, not worth waiting for.
         _stop_children(children, timeout=5.0 if signals.stop_requested() else 60.0)

@@ -210,9 +210,18 @@ def run(cfg: DictConfig) -> Optional[float]:
         return None
     run_ = prepare_run(cfg)
     prepared = (run_.strategy, run_.layout)
+
+    def forked_rank() -> int:  # a rank forked from this process (cli/forked_rank.py) runs the job prepared here
+        try:
+            _train_then_leave_group(cfg, prepared, run_.start, run_.notes)
+        except Exception as error:  # noqa: BLE001 - as hydra_main: one line, left for the launcher to print
+            _report_failure(error, cfg)
+        return signals.INTERRUPTED_EXIT_CODE if signals.stop_requested() else 0
+
     with restored_rank_environment():
         if run_.processes:
-            with local_ranks(cfg, Path(HydraConfig.get().runtime.output_dir), run_.processes, run_.identity):
+            with local_ranks(cfg, Path(HydraConfig.get().runtime.output_dir), run_.processes, run_.identity,
+                             rank_body=forked_rank):
                 metrics = _train_then_leave_group(cfg, prepared, run_.start, run_.notes)
         else:
             metrics = _train_then_leave_group(cfg, prepared, run_.start, run_.notes)

@@ -146,7 +146,7 @@ def install(grace_s: Optional[float] = None) -> Shutdown:
     shutdown = Shutdown(grace_seconds() if grace_s is None else grace_s)
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
-    _state["shutdown"] = shutdown
+    _state.update(shutdown=shutdown, pipe=(read_fd, write_fd))
     take_handlers()
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
 
@@ -158,6 +158,18 @@ def install(grace_s: Optional[float] = None) -> Shutdown:
 
     threading.Thread(target=watch, daemon=True, name="lp-signal-watcher").start()
     return shutdown
+
+
+def after_fork() -> Shutdown:
+    """In a rank forked from the launcher (cli/forked_rank.py): a stop state of its own.
+
+    The inherited one is the launcher's: its children, its watcher thread (not running here) and its wake-up pipe,
+    which would carry this rank's signals to the launcher's watcher.
+    """
+    for fd in _state.pop("pipe", ()):
+        os.close(fd)
+    _state.clear()
+    return install()
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -144,6 +144,8 @@ def test_two_process_layouts_match_one_process():
     _check(results, layouts)
 
 
+# The suite's time budget: the padded-loss, coverage-sample and per-axis HF tests hold HF parity by default.
+@pytest.mark.extended
 def test_four_process_layouts_match_one_process():
     layouts = [
         REFERENCE,

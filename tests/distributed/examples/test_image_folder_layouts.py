@@ -83,15 +83,22 @@ def folder(tmp_path_factory) -> str:
     return str(write_image_folder(tmp_path_factory.mktemp("images")))
 
 
-def test_image_folder_trains_under_data_and_pipeline_as_one_process(folder):
+ALL_CASES = {
+    "dp2": {"sizes": {"data": 2, "pipeline": 1, "tensor": 1}},
+    "pp2": {"sizes": {"data": 1, "pipeline": 2, "tensor": 1}, "microbatches": 2},
+    "dp2/2 workers": {"sizes": {"data": 2, "pipeline": 1, "tensor": 1}, "workers": 2},
+    "control/dp2": {"sizes": {"data": 2, "pipeline": 1, "tensor": 1}, "control": True},
+}
+
+
+# By default data 2 and its control (the suite's time budget: all four took 100 s); the pipeline and the loader
+# workers with -m extended.
+@pytest.mark.parametrize("names", [pytest.param(("dp2", "control/dp2"), id="data"),
+                                   pytest.param(tuple(ALL_CASES), id="all", marks=pytest.mark.extended)])
+def test_image_folder_trains_under_data_and_pipeline_as_one_process(folder, names):
     one = {"sizes": {"data": 1, "pipeline": 1, "tensor": 1}}
     reference = run_processes(fit_image_folder, 1, folder, {"one_process": one}, timeout=600)[0]["one_process"]
-    cases = {
-        "dp2": {"sizes": {"data": 2, "pipeline": 1, "tensor": 1}},
-        "pp2": {"sizes": {"data": 1, "pipeline": 2, "tensor": 1}, "microbatches": 2},
-        "dp2/2 workers": {"sizes": {"data": 2, "pipeline": 1, "tensor": 1}, "workers": 2},
-        "control/dp2": {"sizes": {"data": 2, "pipeline": 1, "tensor": 1}, "control": True},
-    }
+    cases = {name: ALL_CASES[name] for name in names}
     per_rank = run_processes(fit_image_folder, 2, folder, cases, timeout=900)
     assert len(reference) == STEPS and reference[-1] < reference[0]
     for rank, results in enumerate(per_rank):

@@ -100,6 +100,7 @@ def test_muon_on_four_ranks_gives_one_process_parameters(references):
     assert all(w < TOL for w in worst.values()), worst
 
 
+@pytest.mark.extended  # the suite's time budget (25 s)
 def test_negative_control_orthogonalising_each_shard_alone_is_caught(references):
     cases = {k: TWO[k] for k in ("data 2 (ZeRO 3)", "tensor 2")}
     worst = _worst(run_processes(_fit, 2, cases, True, timeout=900), {k: references[k] for k in cases}, False)
@@ -183,6 +184,8 @@ def _uninterrupted(rank, world_size):
     return fit_text_epochs(_muon_gpt, world_size, "auto", 2, batches=4, global_batch=8, data_parallel=1)
 
 
+# The suite's time budget (16 s): resharding optimizer state is held by the AdamW checkpoint tests by default.
+@pytest.mark.extended
 def test_muon_state_saved_under_zero3_resumes_under_tensor_parallelism(tmp_path):
     """Muon's momentum buffers travel in the sharded checkpoint like AdamW's states and reshard onto another layout."""
     from lightning_parallel.testing import max_abs_difference
