@@ -85,7 +85,7 @@ def coordinate_check(
             value = loss(model, batch)
             value.backward()
             optimizer.step()
-            record.losses.append(float(value))
+            record.losses.append(float(value.detach()))
             now = _outputs(model, layers, probe)
             for name in layers:
                 record.activation[name].append(float(now[name].abs().mean()))
