@@ -21,7 +21,8 @@ Touch points, by package:
   and the loop state-dict layout of :func:`fit_loop_state` / :func:`epoch_end_loop_progress` /
   :func:`drop_loader_position`.
 * torch: :func:`unflatten_mesh_dim`, :func:`dcp_set_element`, :func:`dcp_metadata_path`, :func:`load_planner_target`,
-  :func:`grouped_mm`, :func:`keep_lr_scheduler_marker`, :func:`init_fake_process_group` (lp-simulate's world),
+  :func:`grouped_mm`, :func:`grouped_mm_operator` (lp-simulate's MoE step), :func:`keep_lr_scheduler_marker`,
+  :func:`init_fake_process_group` (lp-simulate's world),
   :func:`fsdp2_step_on_meta`, :func:`clear_dtensor_caches`, :func:`dispatch_mode`, :func:`storage_key` and
   :func:`fsdp2_gathered_tensors` (lp-simulate's step),
   and for TorchRec (torch's optimizer in backward) :func:`in_backward_optimizer_settings`.
@@ -56,6 +57,7 @@ from lightning_parallel._compat.torch_internals import (
     fsdp2_gathered_tensors,
     fsdp2_step_on_meta,
     grouped_mm,
+    grouped_mm_operator,
     in_backward_optimizer_settings,
     init_fake_process_group,
     keep_lr_scheduler_marker,
@@ -78,7 +80,7 @@ __all__ = [
     "can_set_attention_implementation", "dcp_metadata_path", "dcp_set_element", "drop_loader_position",
     "drop_per_step_sigterm_broadcast", "epoch_end_loop_progress", "fit_loop_state", "fit_loop_train_dataloader",
     "fsdp2_step_on_meta", "clear_dtensor_caches", "dispatch_mode", "storage_key", "fsdp2_gathered_tensors",
-    "grouped_mm", "hf_checkpoint_conversions", "hf_class_plans", "hf_init_weights",
+    "grouped_mm", "grouped_mm_operator", "hf_checkpoint_conversions", "hf_class_plans", "hf_init_weights",
     "hf_masks_on_meta", "hf_rename_checkpoint_key",
     "in_backward_optimizer_settings", "init_deepspeed_distributed", "init_fake_process_group",
     "init_model_parallel_process_group",

@@ -34,6 +34,16 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
     return torch._grouped_mm(x, weight, offs=offsets)
 
 
+def grouped_mm_operator() -> Any:
+    """The dispatcher's operator behind :func:`grouped_mm` (``aten._grouped_mm.default``), which lp-simulate's MoE
+    step on ``meta`` recognises: torch's meta rule for it is CUDA's and takes bf16 only, while the CPU kernel a real
+    run takes also multiplies fp32 (``planner/simulation/routing.py`` asks the rule for the shapes in bf16).
+
+    Why private: the operator is torch's private grouped GEMM.
+    """
+    return torch.ops.aten._grouped_mm.default
+
+
 def unflatten_mesh_dim(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """A view of ``mesh`` with dimension ``dim`` split into ``sizes`` named ``names`` (same ranks, same root).
 

@@ -138,6 +138,21 @@ def test_grouped_mm_multiplies_each_row_group_by_its_own_matrix():
     torch.testing.assert_close(_compat.grouped_mm(x, w, offsets), expected)
 
 
+def test_grouped_mm_operator_is_the_kernel_and_its_meta_rule_still_takes_bf16_only():
+    """lp-simulate's MoE step asks the meta rule in bf16 (``planner/simulation/routing.py``): when torch's rule takes
+    fp32 too, that detour can go."""
+    import torch
+
+    from lightning_parallel import _compat
+
+    operator = _compat.grouped_mm_operator()
+    x, w = torch.empty(6, 16, device="meta"), torch.empty(2, 16, 32, device="meta")
+    offsets = torch.empty(2, dtype=torch.int32, device="meta")
+    assert operator(x.bfloat16(), w.bfloat16(), offsets).shape == (6, 32)
+    with pytest.raises(RuntimeError, match="BF16"):
+        operator(x, w, offsets)
+
+
 def test_device_mesh_unflatten_takes_dim_sizes_and_names():
     import inspect
 

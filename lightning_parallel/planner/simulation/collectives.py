@@ -7,7 +7,9 @@ process group, in a simulated rank on ``meta`` as in a real gloo run -- the same
 be compared call for call (``tests/distributed/planner/test_simulation_collectives.py``).
 
 A call's bytes are those of its largest tensor on this rank: the gathered output of an all-gather, the unreduced
-input of a reduce-scatter, the buffer of an all-reduce, broadcast, send or receive, the input of an all-to-all.
+input of a reduce-scatter, the buffer of an all-reduce, broadcast, send or receive; an all-to-all's are its input's,
+what this rank sends (with uneven split sizes -- an MoE dispatch -- what a rank receives changes with the routing,
+while what it sends, and what an expert group receives in all, does not).
 
 Note:
     torch's DDP reduces its buckets from C++ (its reducer calls the process group directly), out of the dispatcher's
@@ -56,6 +58,11 @@ def group_axes(meshes: Any) -> dict[str, str]:
     return names
 
 
+def _sent(func: Any, args: tuple) -> Any:
+    """What an all-to-all sends from this rank: its input (the functional op's first argument, c10d's second)."""
+    return args[0] if func.namespace.startswith("_c10d_functional") else args[1]
+
+
 def _leaves(value: Any) -> list[Any]:
     """Everything inside nested lists, tuples and dicts of an operator's arguments."""
     if isinstance(value, (list, tuple)):
@@ -87,8 +94,10 @@ class CountCollectives(_compat.dispatch_mode()):  # type: ignore[misc]
             kind = _KINDS.get(func.overloadpacket.__name__.rstrip("_"))
             if kind is not None:
                 leaves = _leaves((args, kwargs))
-                sizes = [t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)]
-                self.calls.append((kind, self._axis(leaves), max(sizes, default=0)))
+                sent = kind == "all_to_all"
+                sizes = [t.numel() * t.element_size() for t in (_leaves(_sent(func, args)) if sent else leaves)
+                         if isinstance(t, torch.Tensor)]
+                self.calls.append((kind, self._axis(leaves), sum(sizes) if sent else max(sizes, default=0)))
         return func(*args, **kwargs)
 
     def _axis(self, leaves: Iterable[Any]) -> str:

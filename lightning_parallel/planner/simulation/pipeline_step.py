@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_parallel.planner.simulation.routing import BalancedRouting
 from lightning_parallel.planner.simulation.step import StepRecord, _SavedTensors, fused_attention
 
 
@@ -85,7 +86,7 @@ def _stage_step(module: nn.Module, stage: int, done: Any, args: tuple, kwargs: d
     from lightning_parallel.parallel.tensor.plan import loss_parallel_context
 
     saved = _SavedTensors(module, selective=done.options.activation_checkpointing == "selective")
-    with _compat.fsdp2_step_on_meta(module), _compat.hf_masks_on_meta(), fused_attention():
+    with _compat.fsdp2_step_on_meta(module), _compat.hf_masks_on_meta(), fused_attention(), BalancedRouting():
         with saved.counting():
             output = module(*args, **kwargs)
         first = output if isinstance(output, Tensor) else next(t for t in output if isinstance(t, Tensor))

@@ -37,6 +37,9 @@ DDP_NOTE = ("data axis is torch's DDP (zero_stage=0 alone): simulated without it
 PIPELINE_STEP_NOTE = ("pipelined: each stage ran one micro-batch outside the schedule (its shape inference needs real "
                       "peers); activations scaled by the micro-batches in flight under the schedule's action list; "
                       "send/recv from the schedule; collectives inside a stage not counted")
+BALANCED_NOTE = ("MoE routing balanced (meta has no values): every expert receives the same token copies and every "
+                 "rank routes alike; a real step's imbalance moves all-to-all bytes and expert activations between "
+                 "the ranks of an expert group (their sum is the same)")
 _TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
 
 
@@ -140,13 +143,15 @@ def _step(record: RankRecord, model: nn.Module, done: Any, meshes: Any, batch: C
             record.notes += (PIPELINE_STEP_NOTE,)
         else:
             step = run_step(model, done, meshes, batch(), precision)
-    except (NotImplementedError, RuntimeError) as error:  # code that needs values: MoE routing, HF mask checks
+    except (NotImplementedError, RuntimeError) as error:  # code that needs values: capacity drops, HF mask checks
         if "meta tensor" not in str(error).lower():
             raise
         record.notes += (f"step not simulated: {str(error).splitlines()[0][:120]} (the step reads "
-                         "values, e.g. MoE routing's token counts, transformers' mask checks); activations and "
+                         "values, e.g. MoE capacity dropping, transformers' mask checks); activations and "
                          "collectives not measured",)
         return
+    if step.details.get("balanced_routing_copies"):
+        record.notes += (BALANCED_NOTE,)
     record.extra.update(activation_bytes=step.activation_bytes, collectives=step.collectives, **step.details)
 
 

@@ -9,12 +9,14 @@ experts' gradient reduction a real step runs after backward. Inside it:
 - autograd's saved tensors are counted as :func:`torch.autograd.graph.saved_tensors_hooks` sees them (distinct
   storages, the parameters and FSDP2's gathered parameters left out: they are counted as parameters and
   ``gathered_bytes``), plus the inputs of activation-checkpointed layers, which checkpointing keeps for recomputation
-  out of the hooks' sight.
+  out of the hooks' sight;
+- an MoE layer's token counts, which ``meta`` has no values for, are those of balanced routing
+  (:class:`~.routing.BalancedRouting`): the experts' all-to-all dispatch runs with them.
 
 Note:
     Not in the count: the model's own bookkeeping reductions inside ``training_step`` (a loss mean over ranks, logged
-    metrics: scalars through the strategy's ``reduce``) and Lightning's. Pipelined layouts run no step here (the
-    schedule's shape inference needs real peers): their activations and send/receive are not measured yet.
+    metrics: scalars through the strategy's ``reduce``) and Lightning's. Pipelined layouts run their stages one
+    micro-batch at a time in :mod:`.pipeline_step`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import Tensor, nn
 
 from lightning_parallel import _compat
 from lightning_parallel.planner.simulation.collectives import CountCollectives, ddp_buckets, group_axes, summarize
+from lightning_parallel.planner.simulation.routing import BalancedRouting
 
 
 @dataclass(frozen=True)
@@ -98,16 +101,18 @@ def run_step(model: nn.Module, done: Any, meshes: Any, batch: Any, precision: st
     counter = CountCollectives(group_axes(meshes))
     saved = _SavedTensors(model, selective=done.options.activation_checkpointing == "selective")
     parallel_loss = loss_parallel_context(True) if done.options.loss_parallel else nullcontext()
+    routing = BalancedRouting()  # inside the counter: the counts it gives are exchanged (and counted) as in a run
     # Fused attention in backward too: activation checkpointing recomputes the forward there.
     with _compat.fsdp2_step_on_meta(model), _compat.hf_masks_on_meta(), counter, parallel_loss, fused_attention():
-        with saved.counting():
-            loss = loss_fn(_forward(model, done.adapter, inputs), targets)
-        loss = loss[0] if isinstance(loss, tuple) else loss
-        loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-        loss.backward()
-        _reduce_experts(model, meshes, done.options)
+        with routing:
+            with saved.counting():
+                loss = loss_fn(_forward(model, done.adapter, inputs), targets)
+            loss = loss[0] if isinstance(loss, tuple) else loss
+            loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+            loss.backward()
+            _reduce_experts(model, meshes, done.options)
     calls = counter.calls + _ddp_calls(model, meshes, done.options, precision)
-    return StepRecord(tuple(summarize(calls)), saved.total())
+    return StepRecord(tuple(summarize(calls)), saved.total(), routing.details())
 
 
 def _ddp_calls(model: nn.Module, meshes: Any, options: Any, precision: str) -> list[tuple[str, str, int]]:
@@ -179,9 +184,12 @@ def fused_attention() -> Iterator[None]:
 
 
 def _fusable(query: Tensor, key: Tensor, value: Tensor, *rest: Any, **kwargs: Any) -> bool:
-    """Whether an attention call is on ``meta``, given by keywords only, without dropout and with equal heads."""
-    return (query.device.type == "meta" and not rest and not kwargs.get("dropout_p") and not kwargs.get("enable_gqa")
-            and query.shape[:-2] == key.shape[:-2] == value.shape[:-2])
+    """Whether an attention call is on ``meta``, given by keywords only, without dropout, with equal heads or grouped
+    ones under ``enable_gqa`` (the fused kernels take the key/value heads unrepeated, as transformers asks them to
+    when it passes no mask)."""
+    heads = query.shape[-3] == key.shape[-3] or (kwargs.get("enable_gqa") and query.shape[-3] % key.shape[-3] == 0)
+    return (query.device.type == "meta" and not rest and not kwargs.get("dropout_p") and bool(heads)
+            and query.shape[:-3] == key.shape[:-3] and key.shape[:-2] == value.shape[:-2])
 
 
 class _SavedTensors:

@@ -70,13 +70,30 @@ def test_the_ddp_path_reduces_its_buckets_over_the_data_axis():
     assert found[0]["bytes"] == step_of(2, data_parallel_size=4).parameter_bytes
 
 
-def test_a_step_that_needs_values_is_left_out_with_a_note():
+def test_an_moe_step_sends_every_token_copy_over_the_expert_axis_with_balanced_counts():
+    """One MoE block (4 experts, top 2) on 2 x 64 tokens per rank, experts over 2 ranks: the counts exchange, the rows
+    out and back, and the same two exchanges of their gradients in backward -- each of the rank's 256 copies x 32
+    floats -- and the expert-data group's reduction of the experts' gradients."""
     moe = partial(tiny, moe={"every": 2, "num_experts": 4, "top_k": 2, "aux_loss_weight": 0.01})
+    found = simulate(moe, options(data_parallel_size=4, expert_parallel_size=2), 4,
+                     batch=partial(token_batch, 2, 64)).classes[0]
+    by_kind = {(c["kind"], c["axis"]): c for c in found.collectives}
+
+    rows = 2 * 64 * 2 * 32 * 4  # tokens x top-k copies x width, fp32
+    assert by_kind[("all_to_all", "expert_parallel")] == {
+        "kind": "all_to_all", "axis": "expert_parallel", "count": 5, "bytes": 4 * rows + 4 * 8}  # + 4 int64 counts
+    assert by_kind[("all_reduce", "expert_data")]["count"] == 1
+    assert found.activation_bytes > 0 and found.details["balanced_routing_copies"] == 2 * 64 * 2
+    assert any("MoE routing balanced" in note for note in found.notes)
+
+
+def test_an_moe_step_with_capacity_dropping_is_left_out_with_a_note():
+    moe = partial(tiny, moe={"every": 2, "num_experts": 4, "top_k": 2, "capacity_factor": 1.25})
     found = simulate(moe, options(data_parallel_size=4, expert_parallel_size=2), 4,
                      batch=partial(token_batch, 2, 64)).classes[0]
 
     assert found.activation_bytes is None and found.collectives == ()
-    assert any("step not simulated" in note for note in found.notes)
+    assert any("step not simulated" in note and "capacity" in note for note in found.notes)
 
 
 def test_pipelined_activations_follow_the_micro_batches_the_schedule_keeps_in_flight():
