@@ -63,12 +63,14 @@ CONFIG_DIR = str(_CONFIG_DIR)  # Hydra wants a string
 
 def _callbacks(cfg: DictConfig, logger: Any, at_fit_end: Any = None) -> list[Any]:
     """The configured callbacks, plus the suite's stop-on-signal, exact data resume and step-keyed seeds (always),
-    step progress bar, and with a logger the per-step gradient norm and memory (``at_fit_end``: its final write)."""
+    step progress bar, and with a logger the per-step gradient norm, memory and pipeline bubble (``at_fit_end``: the
+    final write)."""
     import lightning.pytorch as pl
 
     from lightning_parallel.callbacks.evaluation import EvaluationReport
     from lightning_parallel.callbacks.exact_resume import ExactDataResume
     from lightning_parallel.callbacks.graceful_stop import GracefulStop
+    from lightning_parallel.callbacks.pipeline_bubble import PipelineBubble
     from lightning_parallel.callbacks.progress import StepProgressBar
     from lightning_parallel.callbacks.run_scalars import RunScalars
     from lightning_parallel.callbacks.step_seeds import StepSeeds
@@ -86,7 +88,7 @@ def _callbacks(cfg: DictConfig, logger: Any, at_fit_end: Any = None) -> list[Any
         callbacks.append(StepSeeds())
     callbacks.append(GracefulStop(str(cfg.paths.checkpoint_dir)))
     if logger:
-        callbacks.append(RunScalars(at_fit_end))
+        callbacks += [RunScalars(at_fit_end), PipelineBubble()]
     has_bar = any(isinstance(c, pl.callbacks.ProgressBar) for c in callbacks)
     if cfg.trainer.get("enable_progress_bar", True) and not has_bar:
         callbacks.append(StepProgressBar())

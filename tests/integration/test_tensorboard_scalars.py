@@ -1,5 +1,5 @@
-"""What a run's TensorBoard folder holds: per-step throughput, the global gradient norm, memory per rank, and the
-final figures beside the hyperparameters, in one event file."""
+"""What a run's TensorBoard folder holds: per-step throughput, the global gradient norm, memory per rank, the
+pipeline bubble, and the final figures beside the hyperparameters, in one event file."""
 
 from pathlib import Path
 
@@ -38,6 +38,13 @@ def test_a_two_step_pipelined_run_logs_throughput_grad_norm_and_memory_of_every_
     assert all(list(p) == [STEPS] and p[STEPS] > 100 for p in per_rank)
     assert per_rank[0][STEPS] >= rss[STEPS]  # rank 0's peak at the end is no lower than during training
 
+    # The pipeline bubble, measured on every rank: 2 stages, 2 micro-batches, ideal (p-1)/(m+p-1) = 1/3.
+    assert logged_scalars(board, "pipeline/bubble_ideal") == {0: pytest.approx(1 / 3)}
+    idle = logged_scalars(board, "pipeline/idle_fraction")
+    assert sorted(idle) == steps and all(0 < v < 1 for v in idle.values())
+    for rank in (0, 1):
+        assert 0 < logged_scalars(board, f"pipeline/rank{rank}/idle_fraction")[STEPS] < 1
+
     assert logged_scalars(board, "hp/val_loss")  # the final figures reach the HParams tab in the same file
     table = out[out.index("lightning_parallel: result"):]
     assert "nan" not in table.lower()
@@ -51,3 +58,4 @@ def test_log_final_hparams_and_per_step_scalars_leave_one_event_file_on_one_proc
     assert list(logged_scalars(board, "memory/rank0/max_rss_mib")) == [STEPS]
     # Lightning's single-device strategy clips with torch's own norm, which it does not keep: no grad_norm there.
     assert logged_scalars(board, "grad_norm") == {}
+    assert logged_scalars(board, "pipeline/idle_fraction") == {}  # no pipeline, no bubble scalar
