@@ -41,6 +41,9 @@ def test_site_builds_in_strict_mode(tmp_path):
     reference = (tmp_path / "site" / "reference" / "strategies.html").read_text()
     assert 'id="lightning_parallel.strategies.HybridParallelStrategy"' in reference
     assert (tmp_path / "site" / "benchmarks" / "results" / "2026-12-02" / "step_time.png").is_file()
+    pages = sorted((tmp_path / "site").rglob("*.html"))
+    unstyled = [p.name for p in pages if "stylesheets/extra.css" not in p.read_text()]
+    assert len(pages) > 20 and unstyled == []  # every page carries the wrapping rules
 
 
 @pytest.mark.slow
@@ -58,6 +61,33 @@ def test_a_broken_link_or_a_missing_reference_fails_the_build(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
     assert "no-such-page.md" in output and "lightning_parallel.NoSuchStrategy" in output
+
+
+WRAPPED = ("bash", "console", "shell", "python", "yaml")  # docs/stylesheets/extra.css wraps these blocks
+PLAIN_WIDTH = 120  # characters of an unwrapped block that fit the content column (the arithmetic in extra.css)
+
+
+def test_docs_pages_are_readable_without_scrolling_sideways():
+    """The site's stylesheet wraps commands, code and table cells; blocks that keep their columns (trees, charts,
+    console tables: unlabelled or ``text``) fit the widened column; a code block in another language would neither
+    wrap nor be held to the width, so there is none."""
+    css = (ROOT / "docs" / "stylesheets" / "extra.css").read_text()
+    assert "stylesheets/extra.css" in (ROOT / "mkdocs.yml").read_text()
+    assert re.search(r"\.md-grid\s*\{\s*max-width:\s*100rem", css)
+    for language in WRAPPED:
+        assert f".md-typeset .language-{language} pre > code" in css, language
+    assert "table:not([class]) code" in css and "white-space: pre-wrap" in css
+    too_wide, unknown = [], []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        for block in re.finditer(r"^```(\w*)[^\n]*\n(.*?)^```", page.read_text(), flags=re.M | re.S):
+            language = block.group(1)
+            if language in WRAPPED or language == "mermaid":
+                continue
+            if language not in ("", "text"):
+                unknown.append(f"{page.relative_to(ROOT)}: ```{language}")
+            too_wide += [f"{page.relative_to(ROOT)}: {len(line)} characters: {line[:60]}..."
+                         for line in block.group(2).splitlines() if len(line) > PLAIN_WIDTH]
+    assert unknown == [] and too_wide == [], unknown + too_wide
 
 
 def test_readme_is_a_front_door():
