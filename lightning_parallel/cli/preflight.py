@@ -307,6 +307,7 @@ def preflight(cfg: DictConfig) -> tuple[Any, ParallelLayout]:
 
     try:
         _check_trainer(cfg)
+        values.check_float8_strategy(cfg)  # before check_targets: its unknown-key message names no fix for this
         check_targets(cfg)
         values.check_trainer_values(cfg)
         _check_data(cfg)

@@ -27,13 +27,40 @@ PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-t
 
 def _strategy_choices() -> dict[str, tuple[str, ...]]:
     """``strategy.<key>``: the names it accepts (a list of cut points or globs is checked by the strategy)."""
+    from lightning_parallel.parallel.float8.checks import RECIPES
     from lightning_parallel.parallel.option_checks import CONTEXT_METHODS, DTYPES, OFFLOAD_MODES
     from lightning_parallel.parallel.pipeline.partition import METHODS
     from lightning_parallel.parallel.pipeline.schedules import SCHEDULES
 
     return {"schedule": tuple(SCHEDULES), "partition": METHODS, "context_parallel_method": CONTEXT_METHODS,
             "offload": OFFLOAD_MODES, "param_dtype": tuple(DTYPES), "reduce_dtype": tuple(DTYPES),
-            "activation_checkpointing": ("none", "full", "selective")}
+            "activation_checkpointing": ("none", "full", "selective"), "float8": RECIPES}
+
+
+def check_float8_strategy(cfg: DictConfig) -> None:
+    """``strategy.float8`` on a strategy without an FP8 path (DeepSpeed, TorchRec, DDP): refused, naming the fix.
+
+    Args:
+        cfg: the composed config.
+    """
+    strategy = cfg.get("strategy")
+    if not OmegaConf.is_dict(strategy) or strategy.get("float8") is None:
+        return
+    import importlib
+
+    from lightning_parallel.strategies import HybridParallelStrategy
+
+    target = str(strategy.get("_target_", ""))
+    module, _, name = target.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return  # a target that does not import: check_targets names it
+    if not (isinstance(found, type) and issubclass(found, HybridParallelStrategy)):
+        raise ValueError(f"strategy.float8={strategy.float8} trains torchao's FP8 Linear layers under the hybrid "
+                         f"strategy and its presets (strategy=hybrid|pipeline|tensor|context); {name} has no FP8 "
+                         "path (DeepSpeed's ZeRO and TorchRec keep their own precision). Use strategy=hybrid "
+                         "strategy.zero_stage=3 for ZeRO-3 sharding with FP8, or drop strategy.float8.")
 
 
 def compile_backends() -> list[str]:
