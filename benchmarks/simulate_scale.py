@@ -54,7 +54,7 @@ LLAMA3_405B = {"hidden_size": 16384, "intermediate_size": 53248, "num_hidden_lay
 DEEPSEEK_V3 = {"hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
                "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
                "num_experts_per_tok": 8, "first_k_dense_replace": 3, "q_lora_rank": 1536, "kv_lora_rank": 512,
-               "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+               "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "head_dim": 64,
                "tie_word_embeddings": False}
 # Published layouts beside the memory their authors report (docs/simulation.md's table): name -> (model type,
 # config, vocabulary, world, ParallelOptions keywords, (batch per rank, sequence), published GiB, source).
@@ -82,7 +82,7 @@ PUBLISHED["deepseek-v3/256 ep64 fsdp"] = ("deepseek_v3", DEEPSEEK_V3, 129280, 25
                                           {"data_parallel_size": 256, "expert_parallel_size": 64, "zero_stage": 3,
                                            "expert_data_shard": True,
                                            "activation_checkpointing": "selective"},
-                                          None, None, "pytorch/torchtitan deepseek_v3_671b.toml (local batch 4, "
+                                          (4, 4096), None, "pytorch/torchtitan deepseek_v3_671b.toml (local batch 4, "
                                           "sequence 4096, selective checkpointing): no memory reading published")
 GIB = 2**30
 
@@ -116,7 +116,7 @@ def run_published(name: str) -> dict[str, Any]:
     from lightning_parallel.planner.simulation.step import token_batch
 
     model_type, config, vocab, world, options, shape, published, source = PUBLISHED[name]
-    # No step where the shape is None: MoE routing needs values a meta step has none of (bytes only).
+    # No step where the shape is None (bytes only); MoE layers step with balanced routing (simulation/routing.py).
     batch = None if shape is None else partial(token_batch, shape[0], shape[1], True)
     overrides = config if shape is None else {**config, "max_position_embeddings": shape[1]}
     factory = partial(HFCausalLM, config=model_type, config_overrides=overrides, vocab_size=vocab)

@@ -159,8 +159,8 @@ def fused_attention() -> Iterator[None]:
 
     torch picks the math path for ``meta`` tensors, which saves the ``s x s`` attention weights for backward; the
     fused kernels of a GPU (and the CPU's flash kernel of a real CPU run) save the output and a log-sum-exp per query
-    instead. Calls a fused kernel would not take (dropout, grouped heads) and tensors not on ``meta`` run as they
-    are. The function is swapped where models look it up (``torch.nn.functional``), not through a function mode:
+    instead. Calls a fused kernel would not take (dropout, heads that do not group) and tensors not on ``meta`` run
+    as they are. The function is swapped where models look it up (``torch.nn.functional``), not through a function mode:
     activation checkpointing's recomputation in backward must take the same path, and it runs outside a mode
     entered around the forward.
     """
@@ -171,6 +171,8 @@ def fused_attention() -> Iterator[None]:
         if not _fusable(*args, **kwargs):
             return original(*args, **kwargs)
         query, key, value = args[:3]
+        if value.shape[-1] != query.shape[-1]:  # DeepSeek's MLA: values narrower than queries and keys
+            return _FusedOnMeta.apply(query, key, value)
         output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, bool(kwargs.get("is_causal", False)), attn_mask=kwargs.get("attn_mask"),
             scale=kwargs.get("scale"))
@@ -181,6 +183,22 @@ def fused_attention() -> Iterator[None]:
         yield
     finally:
         functional.scaled_dot_product_attention = original
+
+
+class _FusedOnMeta(torch.autograd.Function):
+    """A fused attention kernel on ``meta`` where torch's CPU flash kernel takes no narrower values: the output (the
+    values' head size) and what the fused kernels save -- query, key, value, output and a log-sum-exp per query."""
+
+    @staticmethod
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        output = query.new_empty((*query.shape[:-1], value.shape[-1]))
+        ctx.save_for_backward(query, key, value, output, query.new_empty(query.shape[:-1], dtype=torch.float32))
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        query, key, value = ctx.saved_tensors[:3]
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
 def _fusable(query: Tensor, key: Tensor, value: Tensor, *rest: Any, **kwargs: Any) -> bool:

@@ -9,7 +9,7 @@ from examples.nlp.model import GPT
 from lightning_parallel.parallel.options import ParallelOptions
 from lightning_parallel.planner import simulate
 from lightning_parallel.planner.simulation.collectives import ddp_buckets, summarize
-from lightning_parallel.planner.simulation.step import token_batch
+from lightning_parallel.planner.simulation.step import fused_attention, token_batch
 
 tiny = partial(GPT, d_model=32, n_head=2, n_layer=2, seq_len=64, optimizer=partial(torch.optim.AdamW, lr=1e-3),
                warmup_steps=0)
@@ -109,3 +109,36 @@ def test_pipelined_activations_follow_the_micro_batches_the_schedule_keeps_in_fl
     assert list(one_f_one_b.collectives) == [
         {"kind": "send", "axis": "pipeline_parallel", "count": 4, "bytes": 4 * boundary},  # activations forward
         {"kind": "recv", "axis": "pipeline_parallel", "count": 4, "bytes": 4 * boundary}]  # their gradients back
+
+
+def _attention_saves(device: str, kv_heads: int, value_dim: int = 8, **kwargs) -> tuple[int, tuple[int, ...]]:
+    """Bytes autograd saves for one attention call (4 query heads of 8, 16 tokens) under ``fused_attention``."""
+    q = torch.randn(2, 4, 16, 8, device=device, requires_grad=True)
+    k = torch.randn(2, kv_heads, 16, 8, device=device, requires_grad=True)
+    v = torch.randn(2, kv_heads, 16, value_dim, device=device, requires_grad=True)
+    saved = {}
+
+    def pack(tensor):
+        saved[id(tensor)] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    with fused_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
+    return sum(saved.values()), tuple(out.shape)
+
+
+def test_grouped_query_attention_on_meta_saves_what_a_real_fused_kernel_saves():
+    """transformers passes ``enable_gqa`` without a mask: the CPU's flash kernel keeps the 2 key/value heads
+    unrepeated (q, k, v, output, log-sum-exp), and so must the meta step (torch's meta path is the math one, which
+    saves the 16 x 16 weights)."""
+    real, _ = _attention_saves("cpu", 2, enable_gqa=True)
+
+    assert _attention_saves("meta", 2, enable_gqa=True)[0] == real == 4096 + 2048 + 2048 + 4096 + 512
+
+
+def test_values_narrower_than_queries_save_the_fused_kernels_tensors_at_their_own_size():
+    """DeepSeek's MLA: values of 6 where queries and keys have 8; the output has the values' size."""
+    saved, shape = _attention_saves("meta", 4, value_dim=6)
+
+    assert shape == (2, 4, 16, 6)
+    assert saved == 4096 + 4096 + 3072 + 3072 + 512  # q, k, v, output, log-sum-exp (fp32 per query)
