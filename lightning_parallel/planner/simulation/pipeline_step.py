@@ -86,18 +86,22 @@ def _stage_step(module: nn.Module, stage: int, done: Any, args: tuple, kwargs: d
     from lightning_parallel.parallel.tensor.plan import loss_parallel_context
 
     saved = _SavedTensors(module, selective=done.options.activation_checkpointing == "selective")
+    last = stage == done.num_stages - 1
+    parallel_loss = loss_parallel_context(True) if last and done.options.loss_parallel else nullcontext()
     with _compat.fsdp2_step_on_meta(module), _compat.hf_masks_on_meta(), fused_attention(), BalancedRouting():
-        with saved.counting():
-            output = module(*args, **kwargs)
-        first = output if isinstance(output, Tensor) else next(t for t in output if isinstance(t, Tensor))
-        mailbox[stage] = torch.empty_like(first.detach(), device="meta")
-        if stage == done.num_stages - 1:
-            with loss_parallel_context(True) if done.options.loss_parallel else nullcontext():
-                loss = done.loss_fn(output, targets)
+        with parallel_loss:
+            # The last stage's loss is part of its forward, as in the schedule: what the loss saves for backward
+            # (the log-probabilities, as large as the logits) is held with the micro-batch until its backward.
+            with saved.counting():
+                output = module(*args, **kwargs)
+                loss = done.loss_fn(output, targets) if last else None
+            first = output if isinstance(output, Tensor) else next(t for t in output if isinstance(t, Tensor))
+            mailbox[stage] = torch.empty_like(first.detach(), device="meta")
+            if last:
                 loss = loss[0] if isinstance(loss, tuple) else loss
                 (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).backward()
-        elif first.requires_grad:
-            first.backward(torch.empty_like(first))
+            elif first.requires_grad:
+                first.backward(torch.empty_like(first))
     return saved.total()
 
 

@@ -44,12 +44,12 @@ def test_simulated_pipeline_sends_and_receives_equal_a_real_step(name, measured)
         assert sorted(by_rank[rank].collectives, key=lambda c: c["kind"]) == real, (name, rank)
 
 
-@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.xfail(
-    strict=True, reason="the last stage saves one logits-sized tensor more per micro-batch in a real schedule than "
-                        "in the simulated stage step (158,720 B simulated, 224,800 B real): not found yet"))])
+@pytest.mark.parametrize("stage", [0, 1])
 def test_simulated_gpipe_activations_are_a_real_steps_within_ten_percent(stage, measured):
     """Under GPipe every micro-batch's saved tensors are alive at once at the end of the forwards, so the bytes a
-    real step's forwards save are the simulated peak: micro-batches in flight (4) x one micro-batch's."""
+    real step's forwards save are the simulated peak: micro-batches in flight (4) x one micro-batch's. The last
+    stage's include what its loss saves (the log-probabilities, as large as the logits: the schedule runs the loss
+    in the stage's forward; the simulated stage once left it out, 29% low)."""
     simulation = simulated_step("dp2 x pp2 gpipe")
     by_rank = {rank: c for c in simulation.classes for rank in c.ranks}
 
