@@ -21,18 +21,20 @@ Note:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_parallel import _compat
+from lightning_parallel.planner.simulation.batches import batch_of, token_batch
 from lightning_parallel.planner.simulation.collectives import CountCollectives, ddp_buckets, group_axes, summarize
 from lightning_parallel.planner.simulation.routing import BalancedRouting
+
+__all__ = ["StepRecord", "batch_of", "fused_attention", "run_step", "token_batch"]  # batch builders: .batches
 
 
 @dataclass(frozen=True)
@@ -51,36 +53,6 @@ class StepRecord:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-def token_batch(batch_size: int, seq_len: int, as_dict: bool = False) -> Any:
-    """Token ids of ``batch_size`` sequences of ``seq_len`` on ``meta``, as a language model's loader gives them.
-
-    Args:
-        batch_size: sequences (one data-parallel rank's batch).
-        seq_len: tokens per sequence.
-        as_dict: a Hugging Face batch (``input_ids``, ``labels``) instead of ``(inputs, targets)``; without an
-            attention mask (transformers reads a mask's values to choose its attention path, which ``meta`` has
-            none of): every token attends causally, as in packed rows.
-    """
-    tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
-    if as_dict:
-        return {"input_ids": tokens, "labels": tokens.clone()}
-    return tokens, tokens.clone()
-
-
-def batch_of(data: Optional[Mapping[str, Any]]) -> Optional[Callable[[], Any]]:
-    """One rank's batch on ``meta`` for a run's data config: token ids of ``batch_size`` x ``seq_len`` (dict batches
-    for the Hugging Face data modules, whose ``_target_`` names ``hf``); None (no step) for other data.
-
-    Args:
-        data: the run's ``data`` config group (``lp-train``'s), or None.
-    """
-    data = data or {}
-    size, seq_len = data.get("batch_size"), data.get("seq_len")
-    if size is None or seq_len is None:
-        return None
-    return partial(token_batch, int(size), int(seq_len), "hf" in str(data.get("_target_", "")))
-
-
 def run_step(model: nn.Module, done: Any, meshes: Any, batch: Any, precision: str = "32-true") -> StepRecord:
     """Forward, loss and backward of ``batch`` on the parallelised ``model`` (the module docstring).
 
@@ -97,7 +69,7 @@ def run_step(model: nn.Module, done: Any, meshes: Any, batch: Any, precision: st
     if done.context_split is not None:
         batch = done.context_split.split_batch(batch)
     inputs, targets = done.adapter.split_batch(batch)
-    loss_fn = done.loss_fn or done.adapter.pipeline_plan().loss_fn
+    loss_fn = done.loss_fn or _loss_of(model, done.adapter)
     counter = CountCollectives(group_axes(meshes))
     saved = _SavedTensors(model, selective=done.options.activation_checkpointing == "selective")
     parallel_loss = loss_parallel_context(True) if done.options.loss_parallel else nullcontext()
@@ -128,10 +100,24 @@ def _ddp_calls(model: nn.Module, meshes: Any, options: Any, precision: str) -> l
     return [("all_reduce", axis, size) for size in ddp_buckets(trainable, options.bucket_bytes)]
 
 
+def _loss_of(model: nn.Module, adapter: Any) -> Any:
+    """The loss of a whole (unpipelined) step: the adapter's pipeline plan's, else the module's ``pipeline_loss``
+    (a module that cannot be split into stages but says how its loss is formed: the DLRM recipe)."""
+    try:
+        return adapter.pipeline_plan().loss_fn
+    except ValueError:
+        own = getattr(model, "pipeline_loss", None)
+        if callable(own):
+            return own
+        raise
+
+
 def _forward(model: nn.Module, adapter: Any, inputs: Any) -> Any:
     """The model's output for ``inputs``: a dict batch goes to the Hugging Face model the adapter found, as the
     recipe's ``training_step`` calls it (its keywords: ``position_ids`` under context parallelism, masks), else the
     module's ``forward``."""
+    if isinstance(inputs, tuple):  # several inputs (the DLRM recipe: dense features and sparse ids)
+        return model(*inputs)
     if not isinstance(inputs, Mapping):
         return model(inputs)
     inner = getattr(adapter, "model", None)
