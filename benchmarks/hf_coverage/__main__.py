@@ -20,22 +20,32 @@ def main(argv: list[str] | None = None) -> None:
                         "run; none for a subset)")
     parser.add_argument("--cell-timeout", type=float, default=cells.CELL_TIMEOUT, help="seconds per cell")
     parser.add_argument("--resume", action="store_true", help="keep the cells already saved in the results folder")
+    parser.add_argument("--optimizers", default="sgd,adamw", help="comma-separated: sgd (every column), adamw (the "
+                        "plain columns again, judged against their floors)")
     args = parser.parse_args(argv)
     layouts = tuple(name for name in args.layouts.split(",") if name)
     unknown = sorted(set(layouts) - set(table.COLUMNS))
     if unknown:
         parser.error(f"unknown layouts {unknown}: use {', '.join(table.COLUMNS)}")
     selected = args.families.split(",") if args.families else None
+    optimizers = tuple(name for name in args.optimizers.split(",") if name)
+    if not set(optimizers) <= {"sgd", "adamw"} or not optimizers:
+        parser.error(f"--optimizers {args.optimizers!r}: use sgd, adamw or sgd,adamw")
     warnings.filterwarnings("ignore")
     import transformers
 
     transformers.logging.set_verbosity_error()
-    result = run_matrix(selected, layouts, args.out, args.cell_timeout, resume=args.resume)
-    for layout, row in result["summary"].items():
+    result = run_matrix(selected, layouts, args.out, args.cell_timeout, resume=args.resume, optimizers=optimizers)
+    for layout, row in result.get("summary", {}).items():
         if row["families"]:
             print(f"{table.COLUMNS[layout]:>29}: {row['PARITY']}/{row['families']} PARITY "
                   f"({100 * row['parity_share']:.0f}%), {row['REFUSED']} refused, {row['DEFECT']} defects")
-    docs = args.docs or (DOCS if selected is None and layouts == tuple(table.COLUMNS) else None)
+    for layout, row in result.get("adamw", {}).get("summary", {}).items():
+        if row["families"]:
+            print(f"{table.COLUMNS[layout] + ' (AdamW)':>29}: {row['PARITY']}/{row['families']} PARITY, "
+                  f"{row['FLOOR']} at the floor, {row['REFUSED']} refused, {row['DEFECT']} defects")
+    full = selected is None and layouts == tuple(table.COLUMNS) and optimizers == ("sgd", "adamw")
+    docs = args.docs or (DOCS if full else None)
     if docs is not None:
         write_docs(result, docs)
         print(f"wrote {docs}")

@@ -2,10 +2,11 @@
 
 The module is the HF recipe's :class:`~examples.nlp.hf_causal_lm.HFCausalLM` at the family's tiny config
 (:func:`~.tiny.tiny_config`): no protocol method, built in ``configure_model`` (on ``meta`` under the suite's
-strategies, so each rank materialises its own share), eager attention, plain SGD (see :data:`LR`). The data are
-right-padded documents with masked prompts (valid-token counts differ between rows, micro-batches and
-ranks), served in a fixed order (Lightning's distributed sampler off). Each layout runs the families one
-after another in one launch (:func:`run_layout`); the single process is the reference layout.
+strategies, so each rank materialises its own share), eager attention, plain SGD (see :data:`LR`) or AdamW
+(the modes of :mod:`.optimizers`). The data are right-padded documents with masked prompts (valid-token counts
+differ between rows, micro-batches and ranks), served in a fixed order (Lightning's distributed sampler off).
+Each layout runs the families one after another in one launch (:func:`run_layout`); the single process is the
+reference layout.
 
 Before any process starts, :func:`refusal` runs the suite's own checks for the layout on the family built
 in this process (the pipeline's chain check included): a ``ValueError`` there is the cell's refusal. In the
@@ -27,14 +28,18 @@ from typing import Any, Callable, Optional
 import lightning.pytorch as pl
 import torch
 
+from benchmarks.hf_coverage.arithmetic import MICROBATCHES
+from benchmarks.hf_coverage.optimizers import OPTIMIZERS, optimizer
 from benchmarks.hf_coverage.tiny import VOCAB, tiny_config
 from examples.nlp.hf_causal_lm import HFCausalLM
 
-STEPS, GLOBAL_BATCH, SEQ, LR, MICROBATCHES = 4, 8, 16, 0.1, 4
-# Plain SGD: AdamW divides each gradient element by its own running size, so fp32 reordering noise on an element
-# near zero becomes an update of lr size (measured: 1.3e-3 in an embedding row of Qwen3 under tensor 2 with equal
-# losses, 3e-5 at eps=1e-6). Under SGD a parameter moves by lr x its gradient: noise stays at its own scale and a
-# parameter off by more than the tolerance is wrong.
+GLOBAL_BATCH, SEQ = 8, 16
+STEPS, LR = OPTIMIZERS["sgd"].steps, OPTIMIZERS["sgd"].lr
+# SGD by default: AdamW divides each gradient element by its own running size, so fp32 reordering noise on an
+# element near zero becomes an update of lr size (measured: 1.3e-3 in an embedding row of Qwen3 under tensor 2 at
+# lr 0.1 with equal losses, 3e-5 at eps=1e-6). Under SGD a parameter moves by lr x its gradient: noise stays at its
+# own scale and a parameter off by more than the tolerance is wrong. AdamW cells are judged against the family's
+# floor under the same arithmetic (:mod:`.optimizers`, :mod:`.floor`).
 CELL_TIMEOUT = 180.0  # seconds for one family in one launch (build, fit, gather)
 WATCHDOG_EXIT = 124
 
@@ -72,11 +77,17 @@ def strategy_for(layout: str) -> Any:
 
 
 class TinyFamily(HFCausalLM):
-    """The recipe's module at one family's tiny config (random weights, seeded as every layout seeds them)."""
+    """The recipe's module at one family's tiny config (random weights, seeded as every layout seeds them).
 
-    def __init__(self, model_type: str) -> None:
-        super().__init__(config="llama", vocab_size=None, attn_implementation="eager", weight_decay=0.0,
-                         optimizer=partial(torch.optim.SGD, lr=LR))
+    Args:
+        model_type: the family.
+        mode: the optimizer mode (:data:`~.optimizers.OPTIMIZERS`), with the recipe's decay groups.
+    """
+
+    def __init__(self, model_type: str, mode: str = "sgd") -> None:
+        chosen = optimizer(mode)
+        super().__init__(config="llama", vocab_size=None, attn_implementation="eager",
+                         weight_decay=chosen.weight_decay, optimizer=chosen.factory())
         self.model_type = model_type
         self.model_config = tiny_config(model_type)
 
@@ -96,12 +107,12 @@ def padded_batches(steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
     return samples
 
 
-def _data(strategy: Any, world_size: int) -> Any:
+def _data(strategy: Any, world_size: int, steps: int) -> Any:
     from lightning_parallel.strategies.resolve import resolve_layout
     from lightning_parallel.testing.models import FixedOrderData
 
     layout = resolve_layout(strategy, world_size)
-    return FixedOrderData(padded_batches(), GLOBAL_BATCH // layout.data_parallel)
+    return FixedOrderData(padded_batches(steps), GLOBAL_BATCH // layout.data_parallel)
 
 
 def refusal(model_type: str, layout: str) -> Optional[str]:
@@ -124,17 +135,19 @@ def refusal(model_type: str, layout: str) -> Optional[str]:
     return None
 
 
-def _fit(model_type: str, layout: str, world_size: int, root: Path) -> dict[str, Any]:
-    if layout in SAME_STRATEGY:  # started from the family's save_pretrained folder
+def _fit(model_type: str, layout: str, world_size: int, root: Path, mode: str) -> dict[str, Any]:
+    if layout in SAME_STRATEGY:  # started from the family's save_pretrained folder (SGD only)
         from benchmarks.hf_coverage.pretrained import fit_from_folder
 
         return fit_from_folder(model_type, layout, world_size, root)
-    return fit_module(partial(TinyFamily, model_type), layout, world_size)
+    every_step = mode != "sgd"  # AdamW's cells name the first step and parameter that departs (:mod:`.departure`)
+    return fit_module(partial(TinyFamily, model_type, mode), layout, world_size, steps=optimizer(mode).steps,
+                      every_step=every_step)
 
 
 def fit_module(make: Callable[[], pl.LightningModule], layout: str, world_size: int, callbacks: tuple = (),
-               checkpoint: Optional[Path] = None) -> dict[str, Any]:
-    """Train the module ``make()`` builds :data:`STEPS` steps under ``layout`` on the matrix's batches.
+               checkpoint: Optional[Path] = None, steps: int = STEPS, every_step: bool = False) -> dict[str, Any]:
+    """Train the module ``make()`` builds ``steps`` steps under ``layout`` on the matrix's batches.
 
     Args:
         make: builds the module (after the seed is set, as in every layout).
@@ -142,42 +155,54 @@ def fit_module(make: Callable[[], pl.LightningModule], layout: str, world_size: 
         world_size: the launch's processes.
         callbacks: further callbacks (e.g. :class:`~.pretrained.LoadedParameters`).
         checkpoint: where to save the trained (sharded) checkpoint, if anywhere.
+        steps: optimizer steps.
+        every_step: record the whole model's parameters after every step, not only the first.
 
     Returns:
-        ``{"losses", "parameters", "first_step_parameters"}`` (parameters on rank 0 only).
+        ``{"losses", "parameters", "first_step_parameters", "step_parameters"}`` (parameters on rank 0 only;
+        ``step_parameters`` holds the first step's alone unless ``every_step``).
     """
     from lightning_parallel.testing.compare import StepRecorder, full_parameters
     from lightning_parallel.testing.fit import quiet_trainer
 
     pl.seed_everything(0, verbose=False)
     module, strategy = make(), strategy_for(layout)
-    recorder, first = StepRecorder(), FirstStepParameters()
-    trainer = quiet_trainer(world_size, strategy, STEPS, [recorder, first, *callbacks], limit_val_batches=0,
+    recorder, taken = StepRecorder(), StepParameters(range(1, steps + 1) if every_step else (1,))
+    trainer = quiet_trainer(world_size, strategy, steps, [recorder, taken, *callbacks], limit_val_batches=0,
                             num_sanity_val_steps=0)
-    trainer.fit(module, datamodule=_data(strategy, world_size))
+    trainer.fit(module, datamodule=_data(strategy, world_size, steps))
     if checkpoint is not None:
         trainer.save_checkpoint(checkpoint)  # every rank writes its shards
     params = full_parameters(trainer.lightning_module)
     rank0 = trainer.global_rank == 0
     return {"losses": recorder.losses, "parameters": params if rank0 else None,
-            "first_step_parameters": first.parameters}
+            "first_step_parameters": taken.parameters.get(1), "step_parameters": taken.in_order() if rank0 else None}
 
 
-class FirstStepParameters(pl.Callback):
-    """The whole model's parameters after the first optimizer step, on rank 0 (``None`` elsewhere): a cell whose
-    final parameters are off is judged by them too (:func:`~.table.verdict`)."""
+class StepParameters(pl.Callback):
+    """The whole model's parameters after chosen optimizer steps, on rank 0 (``None`` elsewhere): a cell whose
+    final parameters are off is judged by the first step's too (:func:`~.table.verdict`), and an AdamW cell by
+    the first step where it departs (:mod:`.departure`).
 
-    def __init__(self) -> None:
-        self.parameters: Optional[dict[str, torch.Tensor]] = None
-        self.taken = False
+    Args:
+        steps: the optimizer steps (from 1) after which to gather.
+    """
+
+    def __init__(self, steps: Any) -> None:
+        self.steps = set(steps)
+        self.parameters: dict[int, Optional[dict[str, torch.Tensor]]] = {}
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         from lightning_parallel.testing.compare import full_parameters
 
-        if trainer.global_step == 1 and not self.taken:
-            self.taken = True
+        step = trainer.global_step
+        if step in self.steps and step not in self.parameters:
             parameters = full_parameters(pl_module)  # a collective: every rank gathers
-            self.parameters = parameters if trainer.global_rank == 0 else None
+            self.parameters[step] = parameters if trainer.global_rank == 0 else None
+
+    def in_order(self) -> list[Optional[dict[str, torch.Tensor]]]:
+        """The recorded parameters by step."""
+        return [self.parameters[step] for step in sorted(self.parameters)]
 
 
 def _watchdog(state: dict[str, Any], timeout: float, log: Path) -> None:
@@ -199,8 +224,9 @@ def _save(folder: Path, layout: str, model_type: str, rank: int, result: dict[st
 
 
 def run_cells(rank: int, world_size: int, layout: str, model_types: list[str], folder: str,
-              cell_timeout: float) -> None:
-    """Rank function: each family under ``layout`` in turn; each result saved as it finishes, each event logged."""
+              cell_timeout: float, mode: str = "sgd") -> None:
+    """Rank function: each family under ``layout`` in turn, trained with the optimizer ``mode``; each result saved
+    as it finishes, each event logged."""
     import logging
     import warnings
 
@@ -217,7 +243,7 @@ def run_cells(rank: int, world_size: int, layout: str, model_types: list[str], f
         with log.open("a") as handle:
             handle.write(json.dumps({"family": model_type, "status": "started"}) + "\n")
         try:
-            result = _fit(model_type, layout, world_size, root)
+            result = _fit(model_type, layout, world_size, root, mode)
         except Exception as error:
             with log.open("a") as handle:
                 handle.write(json.dumps({"family": model_type, "status": "error", "error": short_error(error)}) + "\n")
@@ -257,9 +283,9 @@ def _load(folder: Path, layout: str, model_type: str, world_size: int) -> Option
 
 
 def run_layout(layout: str, model_types: list[str], folder: Path, cell_timeout: float = CELL_TIMEOUT,
-               ) -> dict[str, dict[str, Any]]:
-    """Every family of ``model_types`` under ``layout``: ``{family: {"losses", "parameters",
-    "first_step_parameters", "seconds"}}``, or
+               mode: str = "sgd") -> dict[str, dict[str, Any]]:
+    """Every family of ``model_types`` under ``layout``, trained with the optimizer ``mode``: ``{family:
+    {"losses", "parameters", "first_step_parameters", "step_parameters", "seconds"}}``, or
     ``{"defect": cause}`` for a cell that raised or hung after the processes started.
 
     One launch runs the families in turn, saving each result as it finishes; a cell that fails or hangs ends
@@ -275,7 +301,7 @@ def run_layout(layout: str, model_types: list[str], folder: Path, cell_timeout: 
         for rank in range(world_size):
             (folder / f"{layout}.rank{rank}.jsonl").unlink(missing_ok=True)
         try:
-            run_processes(run_cells, world_size, layout, left, str(folder), cell_timeout,
+            run_processes(run_cells, world_size, layout, left, str(folder), cell_timeout, mode,
                           timeout=cell_timeout * len(left) + 120)
         except DistributedRunError as error:
             family, cause = _failure(folder, layout, world_size, left, str(error))

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import platform
 import time
+from dataclasses import asdict
 from datetime import date
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from benchmarks.hf_coverage import cells, pretrained, table, tiny
+from benchmarks.hf_coverage import adamw, cells, pretrained, table, tiny
+from benchmarks.hf_coverage.optimizers import optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "hf-coverage.md"
@@ -31,22 +33,24 @@ def _say(message: str) -> None:
 
 
 def _run(matrix: list[tiny.Family], wanted: dict[str, list[tiny.Family]], layouts: tuple[str, ...], out: Path,
-         cell_timeout: float, say: Callable[[str], None]) -> tuple[dict, dict]:
-    """``(refusals before start, runs)``: the suite's checks per cell, then one process and each layout."""
+         cell_timeout: float, say: Callable[[str], None], mode: str = "sgd") -> tuple[dict, dict]:
+    """``(refusals before start, runs)``: the suite's checks per cell, then one process and each layout, trained
+    with the optimizer ``mode`` (the pretrained columns under SGD only)."""
     started = time.monotonic()
     plain = [layout for layout in layouts if layout not in pretrained.COLUMNS]
     refused = {(f.model_type, layout): cells.refusal(f.model_type, layout)
                for layout in plain for f in wanted[layout]}
     runs = {}
     if plain:
-        runs["single"] = cells.run_layout("single", [f.model_type for f in matrix], out, cell_timeout)
-        say(f"single process: {len(matrix)} families ({time.monotonic() - started:.0f} s)")
+        runs["single"] = cells.run_layout("single", [f.model_type for f in matrix], out, cell_timeout, mode)
+        say(f"{mode}: single process: {len(matrix)} families ({time.monotonic() - started:.0f} s)")
     for layout in plain:
         chosen = [f.model_type for f in wanted[layout] if not refused[f.model_type, layout]]
-        runs[layout] = cells.run_layout(layout, chosen, out, cell_timeout)
-        say(f"{layout}: {len(chosen)} run, {len(wanted[layout]) - len(chosen)} refused before start "
+        runs[layout] = cells.run_layout(layout, chosen, out, cell_timeout, mode)
+        say(f"{mode}: {layout}: {len(chosen)} run, {len(wanted[layout]) - len(chosen)} refused before start "
             f"({time.monotonic() - started:.0f} s)")
-    folders = {layout: [f.model_type for f in wanted[layout]] for layout in layouts if layout in pretrained.COLUMNS}
+    folders = {layout: [f.model_type for f in wanted[layout]] for layout in layouts
+               if layout in pretrained.COLUMNS and mode == "sgd"}
     if folders:  # started from save_pretrained folders: their own reference, refusals and exports
         more_refused, more_runs = pretrained.run_columns(folders, out, cell_timeout, say)
         refused.update(more_refused)
@@ -67,9 +71,10 @@ def _meta(started: float, layouts: tuple[str, ...]) -> dict[str, Any]:
 
 def run_matrix(selected: Optional[list[str]] = None, layouts: tuple[str, ...] = tuple(table.COLUMNS),
                out: Optional[Path] = None, cell_timeout: float = cells.CELL_TIMEOUT,
-               say: Callable[[str], None] = _say, resume: bool = False) -> dict[str, Any]:
-    """Run the matrix; ``{"meta", "summary", "cells", "families", "losses"}`` are also saved as ``results.json``,
-    ``"matrix"`` (the families) and ``"verdicts"`` are for :func:`write_docs`.
+               say: Callable[[str], None] = _say, resume: bool = False,
+               optimizers: tuple[str, ...] = ("sgd",)) -> dict[str, Any]:
+    """Run the matrix; ``{"meta", "summary", "cells", "families", "losses", "adamw"}`` are also saved as
+    ``results.json``, ``"matrix"`` (the families), ``"verdicts"`` and ``"adamw_verdicts"`` are for :func:`write_docs`.
 
     Args:
         selected: model types (default: every causal-LM model type of the installed transformers).
@@ -78,6 +83,8 @@ def run_matrix(selected: Optional[list[str]] = None, layouts: tuple[str, ...] = 
         cell_timeout: seconds for one family in one launch before it counts as hung.
         say: where progress lines go.
         resume: keep the cells already saved in ``out`` (a run that was stopped) instead of running them again.
+        optimizers: ``"sgd"`` (the matrix, every column) and/or ``"adamw"`` (the plain columns again under AdamW,
+            in ``out/adamw``, judged against their floors: :mod:`.adamw`).
     """
     started = time.monotonic()
     out = out or ROOT / "benchmarks" / "results" / date.today().isoformat() / "hf_coverage"
@@ -90,17 +97,33 @@ def run_matrix(selected: Optional[list[str]] = None, layouts: tuple[str, ...] = 
     say(f"{len(found)} causal-LM model types: {len(matrix)} in the matrix, "
         f"{sum(f.kind in ('wrapper', 'unbuildable') for f in found)} with a plan outside it")
     wanted = {layout: [f for f in matrix if needs(f, layout)] for layout in table.COLUMNS}
-    refused, runs = _run(matrix, wanted, layouts, out, cell_timeout, say)
-    verdicts = _judge(matrix, refused, runs, say)
-    summary = table.coverage(verdicts, {layout: [f.model_type for f in wanted[layout]] if layout in layouts else []
-                                        for layout in table.COLUMNS})
-    result = {"meta": _meta(started, layouts), "summary": summary, "cells": table.as_json(verdicts),
-              "families": [vars(f) for f in found], "matrix": found, "verdicts": verdicts,
-              "losses": {layout: {m: r.get("losses") for m, r in per.items() if r} for layout, per in runs.items()}}
+    needed = {layout: [f.model_type for f in wanted[layout]] if layout in layouts else [] for layout in table.COLUMNS}
+    result: dict[str, Any] = {"families": [vars(f) for f in found], "matrix": found}
+    refused: dict = {}
+    if "sgd" in optimizers:
+        refused, runs = _run(matrix, wanted, layouts, out, cell_timeout, say)
+        verdicts = _judge(matrix, refused, runs, say)
+        result.update(summary=table.coverage(verdicts, needed), cells=table.as_json(verdicts), verdicts=verdicts,
+                      losses=_losses(runs))
+    if adamw.MODE in optimizers:
+        plain = tuple(layout for layout in layouts if layout in adamw.COLUMNS)
+        refused_adamw, runs = _run(matrix, wanted, plain, out / adamw.MODE, cell_timeout, say, adamw.MODE)
+        verdicts, floors = adamw.judge(matrix, {**refused_adamw, **refused}, runs, say)
+        result["adamw"] = {"summary": adamw.coverage(verdicts, needed), "cells": table.as_json(verdicts),
+                           "floors": {f"{m}/{layout}": asdict(floor) for (m, layout), floor in floors.items()},
+                           "losses": _losses(runs)}
+        result["adamw_verdicts"] = verdicts
+    result["meta"] = {**_meta(started, layouts), "optimizers": {name: optimizer(name).describe()
+                                                                 for name in optimizers}}
     out.mkdir(parents=True, exist_ok=True)
-    saved = {k: v for k, v in result.items() if k not in ("matrix", "verdicts")}
+    saved = {k: v for k, v in result.items() if k not in ("matrix", "verdicts", "adamw_verdicts")}
     (out / "results.json").write_text(json.dumps(saved, indent=1, default=str))
     return result
+
+
+def _losses(runs: dict) -> dict:
+    """Every cell's losses (``{layout: {family: [per rank [per step]]}}``), for ``results.json``."""
+    return {layout: {m: r.get("losses") for m, r in per.items() if r} for layout, per in runs.items()}
 
 
 def _judge(matrix: list[tiny.Family], refused: dict, runs: dict, say: Callable[[str], None]) -> dict:
@@ -126,5 +149,7 @@ def _judge(matrix: list[tiny.Family], refused: dict, runs: dict, say: Callable[[
 
 
 def write_docs(result: dict[str, Any], path: Path = DOCS) -> None:
-    """The markdown page of ``result`` (from :func:`run_matrix`)."""
-    path.write_text(table.markdown(result["meta"], result["matrix"], result["verdicts"], result["summary"]))
+    """The markdown page of ``result`` (from :func:`run_matrix` with both optimizers)."""
+    section = adamw.section(result["matrix"], result["adamw_verdicts"], result["adamw"]["summary"]) \
+        if "adamw" in result else []
+    path.write_text(table.markdown(result["meta"], result["matrix"], result["verdicts"], result["summary"], section))

@@ -134,3 +134,72 @@ def test_a_cell_is_parity_at_the_fp32_floor_only_when_exact_after_one_step_and_t
     assert table.verdict(None, _result(3e-5, 8e-5), reference, floor=9.5e-6).kind == "DEFECT"
     assert table.verdict(None, drifted, reference, floor=7e-9).kind == "DEFECT"
     assert table.verdict(None, _result(0.0, 2e-6), reference, floor=7e-9).short() == "PARITY 2.0e-06"
+
+
+# --- the matrix under AdamW (issue 43) -------------------------------------------------------------------------------
+
+def _adamw_result(per_step: list[float]) -> dict:
+    """A run whose parameter ``w`` is ``per_step[k]`` off one process after step ``k + 1``."""
+    import torch
+
+    steps = [{"w": torch.tensor([value])} for value in per_step]
+    return {"losses": [[1.0] * len(per_step)], "parameters": steps[-1], "first_step_parameters": steps[0],
+            "step_parameters": steps}
+
+
+def test_an_adamw_cell_beyond_the_tolerance_is_parity_only_within_ten_times_its_floor_and_names_its_departure():
+    from benchmarks.hf_coverage import adamw
+    from benchmarks.hf_coverage.floor import Departure, Floor
+
+    reference = _adamw_result([0.0, 0.0, 0.0])
+    assert adamw.verdict(None, _adamw_result([1e-7, 2e-6, 3e-6]), reference).short() == "PARITY 3.0e-06"
+    floor = Floor("pp2", 2e-5, (1e-6, 8e-6, 2e-5), Departure(3, "model.model.w", 2e-5))
+    drifted = _adamw_result([1e-7, 2e-5, 5e-5])
+    cell = adamw.verdict(None, drifted, reference, floor)
+    assert cell.kind == "PARITY" and cell.short() == "PARITY 5.0e-05 (floor 2.0e-05)"
+    assert "departs at step 2, w (2e-05)" in cell.cause and "departing at step 3, w" in cell.cause
+    # negative controls: no floor measured, and a departure ten times beyond the floor (issue 43's example: 2.9e-4
+    # against 4.2e-7 would be far beyond)
+    assert adamw.verdict(None, drifted, reference).kind == "DEFECT"
+    beyond = adamw.verdict(None, _adamw_result([1e-7, 2e-5, 2.1e-4]), reference, floor)
+    assert beyond.kind == "DEFECT" and "beyond the floor" in beyond.cause
+    assert adamw.verdict("refused: ...", None, reference).kind == "REFUSED"
+
+
+def test_the_floor_loop_reproduces_one_process_to_the_bit_and_finds_where_a_reordered_run_departs():
+    """One process: the matrix's Lightning run of a family under AdamW and the floor's plain loop on whole batches
+    end equal to the bit after every step; the same loop in the pipeline's micro-batch order stays within the
+    tolerance of it on Llama, and a run that departs is found at its first step."""
+    from functools import partial
+
+    from benchmarks.hf_coverage import cells
+    from benchmarks.hf_coverage.arithmetic import ARITHMETIC, train_steps
+    from benchmarks.hf_coverage.floor import first_departure, layout_floor
+
+    lightning = cells.fit_module(partial(cells.TinyFamily, "llama", "adamw"), "single", 1, steps=3, every_step=True)
+    whole = train_steps("llama", "adamw", ARITHMETIC["single"], steps=3)
+    floor = layout_floor("llama", "pp2", "adamw", whole, lightning["step_parameters"])
+    assert floor.reference_gap == 0.0
+    assert floor.difference <= table.TOLERANCE and floor.departure is None, floor
+    moved = [dict(params) for params in whole["step_parameters"]]
+    name = next(iter(moved[1]))
+    moved[1][name] = moved[1][name] + 1e-4  # a run off by 1e-4 after step 2 in one parameter
+    departure = first_departure(moved, whole["step_parameters"])
+    assert (departure.step, departure.parameter) == (2, name) and abs(departure.difference - 1e-4) < 1e-6
+
+
+@pytest.mark.extended
+def test_the_ci_sample_under_adamw_is_parity_or_at_its_floor(tmp_path):
+    from benchmarks.hf_coverage import adamw
+
+    result = run_matrix(list(CI_SAMPLE), adamw.COLUMNS, out=tmp_path / "cells", say=print, optimizers=("adamw",))
+    for family, row in result["adamw_verdicts"].items():
+        for layout in adamw.COLUMNS:
+            cell = row[layout]
+            print(f"{family:12s} {layout:10s} {cell.short()} {cell.cause}")
+            if cell.kind == "NA":
+                assert layout == "dp2_ep2", (family, layout)
+            elif (family, layout) in REFUSED:
+                assert cell.kind == "REFUSED", (family, layout, cell)
+            else:
+                assert cell.kind == "PARITY", (family, layout, cell)
