@@ -11,7 +11,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -134,7 +134,6 @@ def fit_rank(rank: int, world_size: int, model: str, layout: str, steps: int) ->
     from lightning_parallel.testing.models import FixedOrderData
 
     _quiet()
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the strategy's start-up table
     spec, chosen = MODELS[model], LAYOUTS[layout]
     pl.seed_everything(0, verbose=False)
     module = spec.build()
@@ -148,16 +147,26 @@ def fit_rank(rank: int, world_size: int, model: str, layout: str, steps: int) ->
     return {"losses": recorder.losses, "parameters": dict(taken.parameters)}
 
 
+def _launched_rank(rank: int, world_size: int, model: str, layout: str, steps: int) -> dict[str, Any]:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the strategy's start-up table
+    return fit_rank(rank, world_size, model, layout, steps)
+
+
 def layout_run(model: str, layout: str, steps: int, timeout: float = 3600) -> dict[str, Any]:
     """``model`` under ``layout`` in its own processes (:func:`fit_rank`), rank 0's record."""
     from lightning_parallel.testing import run_processes
 
-    return run_processes(fit_rank, LAYOUTS[layout].world, model, layout, steps, timeout=timeout)[0]
+    return run_processes(_launched_rank, LAYOUTS[layout].world, model, layout, steps, timeout=timeout)[0]
 
 
-def floor_run(model: str, layout: str, steps: int) -> dict[str, Any]:
+def floor_run(model: str, layout: str, steps: int, objective: Optional[Objective] = None) -> dict[str, Any]:
     """``model`` trained on one process in ``layout``'s arithmetic on the same batches: ``{"losses", "parameters":
-    {step: {name: tensor}}}`` (the loss of each step as the layout computes it: the mean over its data shards)."""
+    {step: {name: tensor}}}`` (the loss of each step as the layout computes it: the mean over its data shards).
+
+    Args:
+        model, layout, steps: as :func:`layout_run`.
+        objective: another objective than the model's (a negative control's wrong loss).
+    """
     _quiet()
     spec = MODELS[model]
     pl.seed_everything(0, verbose=False)
@@ -166,5 +175,6 @@ def floor_run(model: str, layout: str, steps: int) -> dict[str, Any]:
     collate = torch.utils.data.default_collate
     batches = ((collate(samples[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]), GLOBAL_BATCH) for i in range(steps))
     wanted = set(recorded_steps(steps))
-    result = train_in_order(module, batches, LAYOUTS[layout].arithmetic, spec.objective, lambda s: s in wanted)
+    result = train_in_order(module, batches, LAYOUTS[layout].arithmetic, objective or spec.objective,
+                            lambda s: s in wanted)
     return {"losses": result["losses"], "parameters": result["step_parameters"]}
