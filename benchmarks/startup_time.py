@@ -4,8 +4,8 @@
     python -m benchmarks.startup_time --quick      # 2 processes, 3 runs each way
 
 Each run is the GPT recipe (``model=gpt_tiny``, DDP or the hybrid strategy with a pipeline of 2) for one training
-step, no validation, logger or callbacks (no end-of-run evaluation), from the command to the process's exit: what a
-user waits for before the first step, plus a short teardown that is the same both ways. ``LP_START_METHOD=spawn``
+step, no validation, logger or end-of-run evaluation: timed from the command to the start of the last rank's first
+batch (what a user waits for) and to the exit (plus a short teardown, the same both ways). ``LP_START_METHOD=spawn``
 starts each rank as ``python -m lightning_parallel.cli.train`` (every rank imports torch, Lightning and the suite,
 composes and checks the job again); the default on CPU forks the ranks from the launcher once it has done that
 (cli/forked_rank.py). The two are run alternately, so load from other jobs on the machine falls on both; medians and
@@ -25,6 +25,11 @@ import tempfile
 import time
 from datetime import date
 from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+ROOT = Path(__file__).resolve().parents[1]
 
 LAYOUTS = {
     "ddp": ["strategy=ddp"],
@@ -34,17 +39,34 @@ ONE_STEP = ["model=gpt_tiny", "trainer=cpu_test", "trainer.max_steps=1", "traine
             "logger=none", "callbacks=none", "trainer.enable_progress_bar=false"]
 
 
-def one_run(method: str, devices: int, layout: str, workdir: Path) -> float:
-    """Seconds from the command to the exit of one ``lp-train`` run started the way ``method`` says."""
-    env = {**os.environ, "LP_START_METHOD": method, "OMP_NUM_THREADS": "1"}
+STAMP_ENV = "LP_BENCH_FIRST_STEP_FILE"
+
+
+class FirstStepStamp(pl.Callback):
+    """Writes the wall-clock time at which this rank starts its first training batch to ``$LP_BENCH_FIRST_STEP_FILE``
+    with the rank appended (the benchmark reads the last rank to get there)."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        path = Path(os.environ[STAMP_ENV] + f".rank{trainer.global_rank}")
+        if not path.exists():
+            path.write_text(repr(time.time()))
+
+
+def one_run(method: str, devices: int, layout: str, workdir: Path) -> tuple[float, float]:
+    """Seconds from the command to the first training step of the last rank, and to the exit, of one ``lp-train`` run
+    started the way ``method`` says."""
+    stamp = workdir / f"first-step-{method}-{time.monotonic_ns()}"
+    env = {**os.environ, "LP_START_METHOD": method, "OMP_NUM_THREADS": "1", STAMP_ENV: str(stamp),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "lightning_parallel.cli.train", *LAYOUTS[layout], *ONE_STEP,
-               f"trainer.devices={devices}"]
-    started = time.perf_counter()
+               f"trainer.devices={devices}", "+callbacks.stamp._target_=benchmarks.startup_time.FirstStepStamp"]
+    started_wall, started = time.time(), time.perf_counter()
     done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
     took = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"{method} run failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    return took
+    first = max(float(Path(f"{stamp}.rank{r}").read_text()) for r in range(devices))
+    return first - started_wall, took
 
 
 def main() -> None:
@@ -59,16 +81,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         workdir = Path(folder)
         for devices, layout in cells:
-            times: dict[str, list[float]] = {"spawn": [], "fork": []}
+            first: dict[str, list[float]] = {"spawn": [], "fork": []}
+            whole: dict[str, list[float]] = {"spawn": [], "fork": []}
             one_run("fork", devices, layout, workdir)  # warm the file cache; not counted
             for _ in range(runs):
                 for method in ("spawn", "fork"):
-                    times[method].append(one_run(method, devices, layout, workdir))
-            spawn, fork = statistics.median(times["spawn"]), statistics.median(times["fork"])
-            rows.append({"processes": devices, "layout": layout, "spawn_s": spawn, "fork_s": fork,
-                         "ratio": fork / spawn, "runs": runs, "spawn_all": times["spawn"], "fork_all": times["fork"]})
-            print(f"{devices} processes, {layout:10s}: spawned ranks {spawn:6.2f} s, forked {fork:6.2f} s "
-                  f"(median of {runs}): ratio {fork / spawn:.2f}", flush=True)
+                    to_first, to_exit = one_run(method, devices, layout, workdir)
+                    first[method].append(to_first)
+                    whole[method].append(to_exit)
+            row = {"processes": devices, "layout": layout, "runs": runs, "first_step": first, "exit": whole}
+            for key, times in (("first_step", first), ("exit", whole)):
+                spawn, fork = statistics.median(times["spawn"]), statistics.median(times["fork"])
+                row[f"{key}_spawn_s"], row[f"{key}_fork_s"], row[f"{key}_ratio"] = spawn, fork, fork / spawn
+                what = key.replace("_", " ")
+                print(f"{devices} processes, {layout:10s} to {what:10s}: spawned ranks {spawn:6.2f} s, "
+                      f"forked {fork:6.2f} s (median of {runs}): ratio {fork / spawn:.2f}", flush=True)
+            rows.append(row)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "startup_time.json").write_text(json.dumps(rows, indent=2))
 

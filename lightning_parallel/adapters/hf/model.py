@@ -17,7 +17,10 @@ IGNORE_INDEX = -100  # transformers' and torch's cross-entropy ignore_index for 
 
 
 def _pretrained_class() -> Optional[type]:
-    module = sys.modules.get("transformers")
+    # transformers.modeling_utils, not the package: torchmetrics imports the (lazy) package in every run, and asking it
+    # for PreTrainedModel loaded modeling_utils, its quantizers and torchao (1-3 s) in runs that hold no HF model. A
+    # module holding a PreTrainedModel has loaded modeling_utils already.
+    module = sys.modules.get("transformers.modeling_utils")
     return getattr(module, "PreTrainedModel", None) if module is not None else None
 
 
