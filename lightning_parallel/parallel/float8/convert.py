@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -107,22 +107,20 @@ def convert_chosen(module: nn.Module, choice: Float8Choice) -> list[str]:
     return swapped
 
 
-def float8_styles(plan: Mapping[str, ParallelStyle], module: nn.Module) -> dict[str, ParallelStyle]:
-    """The tensor plan with torch's column/row styles of ``Float8Linear`` layers replaced by torchao's FP8 styles.
+def float8_styles(plan: Mapping[str, ParallelStyle], converted: Iterable[str]) -> dict[str, ParallelStyle]:
+    """The tensor plan with torch's column/row styles of converted layers replaced by torchao's FP8 styles.
 
     Args:
         plan: the resolved plan (``{name: ParallelStyle}``).
-        module: the model after :func:`convert_chosen`.
+        converted: names of the layers :func:`convert_chosen` made ``Float8Linear`` (torchao's class is not public).
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
-    present = dict(module.named_modules())
-    styles = dict(plan)
+    converted, styles = set(converted), dict(plan)
     for name, style in plan.items():
         kind = type(style)
-        if kind not in (ColwiseParallel, RowwiseParallel) or not isinstance(present.get(name), Float8Linear):
+        if kind not in (ColwiseParallel, RowwiseParallel) or name not in converted:
             continue
         fp8 = Float8ColwiseParallel if kind is ColwiseParallel else Float8RowwiseParallel
         styles[name] = fp8(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
@@ -139,8 +137,8 @@ def apply_float8(module: nn.Module, choice: Float8Choice, plan: Mapping[str, Par
         choice: :func:`float8_choice` of the whole model.
         plan: the resolved tensor plan.
     """
-    convert_chosen(module, choice)
-    return float8_styles(plan, module) if choice.tensor_styles else dict(plan)
+    converted = convert_chosen(module, choice)
+    return float8_styles(plan, converted) if choice.tensor_styles else dict(plan)
 
 
 @torch.no_grad()
