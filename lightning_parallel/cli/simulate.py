@@ -56,16 +56,17 @@ def _split_cluster(overrides: list[str], given: Optional[str]) -> tuple[list[str
     return rest, cluster or "cpu"
 
 
-def _options(strategy: Any) -> Any:
-    """The strategy's ``ParallelOptions``; a strategy without them (DDP, DeepSpeed, TorchRec) is refused."""
+def _kind(strategy: Any) -> str:
+    """``hybrid`` (a strategy with ``ParallelOptions``), ``torchrec``, or refused (DDP, single device, ...)."""
     from lightning_parallel.parallel.options import ParallelOptions
 
-    options = getattr(strategy, "options", None)
-    if not isinstance(options, ParallelOptions):
-        name = strategy if isinstance(strategy, str) else type(strategy).__name__
-        raise ConfigError(f"lp-simulate simulates the hybrid strategy and its presets; strategy {name} has no "
-                          "ParallelOptions: use strategy=hybrid (or pipeline, tensor, context) with the same sizes.")
-    return options
+    if isinstance(getattr(strategy, "options", None), ParallelOptions):
+        return "hybrid"
+    if getattr(strategy, "strategy_name", None) == "torchrec":
+        return "torchrec"
+    name = strategy if isinstance(strategy, str) else type(strategy).__name__
+    raise ConfigError(f"lp-simulate simulates the hybrid strategy and its presets, and TorchRec; strategy {name} is "
+                      "none of them: use strategy=hybrid (or pipeline, tensor, context) with the same sizes.")
 
 
 def run(overrides: list[str], cluster_name: str, out: Optional[str]) -> tuple[Any, Path]:
@@ -77,6 +78,7 @@ def run(overrides: list[str], cluster_name: str, out: Optional[str]) -> tuple[An
     from hydra.utils import instantiate
 
     from lightning_parallel.cli.preflight import world_size_of
+    from lightning_parallel.cli.simulate_strategies import simulate_torchrec
     from lightning_parallel.planner.cluster import load_cluster
     from lightning_parallel.planner.simulation import simulate
     from lightning_parallel.planner.simulation.step import batch_of
@@ -84,18 +86,23 @@ def run(overrides: list[str], cluster_name: str, out: Optional[str]) -> tuple[An
     check_trainer_overrides(overrides)
     cfg = compose(overrides)
     strategy, layout = preflight(cfg)
-    options = _options(strategy)
+    kind = _kind(strategy)
     try:
         cluster = load_cluster(cluster_name, CONFIG_DIR)
         precision = str(cfg.trainer.get("precision", "32-true"))
-        simulation = simulate(lambda: instantiate(cfg.model), options, world_size_of(cfg),
-                              num_nodes=int(cfg.trainer.num_nodes),
-                              precision=_UNIFIED_PRECISION.get(precision, precision),
-                              device_memory=cluster.memory_per_device, names=SETTING_NAMES,
-                              batch=batch_of(cfg.get("data")))
+        if kind == "torchrec":
+            simulation = simulate_torchrec(lambda: instantiate(cfg.model), strategy, world_size_of(cfg), cluster,
+                                           cluster.memory_per_device)
+        else:
+            simulation = simulate(lambda: instantiate(cfg.model), strategy.options, world_size_of(cfg),
+                                  num_nodes=int(cfg.trainer.num_nodes),
+                                  precision=_UNIFIED_PRECISION.get(precision, precision),
+                                  device_memory=cluster.memory_per_device, names=SETTING_NAMES,
+                                  batch=batch_of(cfg.get("data")))
     except ValueError as exc:
         raise ConfigError(qualified(str(exc))) from exc
-    simulation.settings.update(cluster=cluster.name, layout_checked=layout.describe())
+    simulation.settings.update(cluster=cluster.name,
+                               layout_checked=layout.describe() if hasattr(layout, "describe") else None)
     folder = Path(out) if out else _run_folder(overrides)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "simulation.json"

@@ -154,6 +154,62 @@ def plan_sharding(module: nn.Module, sharders: list, constraints: dict[str, Any]
     return planner.plan(module, sharders)
 
 
+def plan_tables(module: nn.Module, tables: Mapping[str, tuple[str, Any]], sharding: Sharding, world_size: int,
+                device_type: str, backend: str, compute_kernel: str = "fused", column_shard_dim: Optional[int] = None,
+                process_group: Any = None) -> Any:
+    """The strategy's plan for ``module``: constraints from ``sharding=`` over the types this device and backend
+    run, then :func:`plan_sharding` (the strategy's set-up, and ``lp-simulate`` without a process group).
+
+    Args:
+        module: the (unsharded, possibly ``meta``) model, its tables given their optimizers.
+        tables: its :func:`~lightning_parallel.adapters.torchrec.table_configs`.
+        sharding: the strategy's ``sharding=``.
+        world_size: ranks to shard over.
+        device_type: ``"cpu"`` or ``"cuda"``.
+        backend: the process group's backend (which types run).
+        compute_kernel: the kernel of sharded tables.
+        column_shard_dim: the width of column-wise shards (None: TorchRec's).
+        process_group: plan collectively over it; None: here alone.
+    """
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    runnable = runnable_sharding_types(device_type, backend)
+    constraints = parameter_constraints(tables, sharding, runnable, compute_kernel, column_shard_dim)
+    return plan_sharding(module, [EmbeddingBagCollectionSharder()], constraints, world_size, device_type,
+                         process_group)
+
+
+def table_shards(plan: Any, tables: Mapping[str, tuple[str, Any]],
+                 settings: Mapping[str, tuple[type, dict[str, Any]]], world_size: int) -> list[Any]:
+    """Every rank's pieces of every table under ``plan``, for ``lp-simulate``
+    (:class:`~lightning_parallel.planner.simulation.tables.TableShard`: offsets, sizes, dtype, fused optimizer).
+
+    Args:
+        plan: a TorchRec ``ShardingPlan``.
+        tables: ``{table name: (collection path, EmbeddingBagConfig)}``.
+        settings: ``{table: (optimizer class, kwargs)}`` the tables were given (``table_optimizers``).
+        world_size: ranks of the run.
+    """
+    from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
+
+    from lightning_parallel.planner.simulation.tables import TableShard
+
+    shards = []
+    for table, (path, config) in tables.items():
+        sharding = plan.plan[path][table]
+        rows, cols = int(config.num_embeddings), int(config.embedding_dim)
+        itemsize = table_bytes(config) // max(1, rows * cols)
+        if sharding.sharding_type == "data_parallel":
+            shards += [TableShard(table, "data_parallel", r, 0, 0, rows, cols, itemsize) for r in range(world_size)]
+            continue
+        fused = optimizer_type_to_emb_opt_type(settings[table][0]).name if table in settings else "EXACT_SGD"
+        for shard in sharding.sharding_spec.shards:
+            (row, col), (height, width) = shard.shard_offsets, shard.shard_sizes
+            shards.append(TableShard(table, sharding.sharding_type, shard.placement.rank(), int(row), int(col),
+                                     int(height), int(width), itemsize, fused))
+    return shards
+
+
 @dataclass(frozen=True)
 class PlanRow:
     """One table of a plan.

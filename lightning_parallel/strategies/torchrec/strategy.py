@@ -52,20 +52,18 @@ from lightning_parallel.adapters.torchrec import (
 )
 from lightning_parallel.protocol import layer_seed, owned_tensors, reset_parameters
 from lightning_parallel.strategies.torchrec import checkpoint as torchrec_checkpoint
+from lightning_parallel.strategies.torchrec.replicated import (
+    ReplicatedTableOptimizer,
+    TableOptimizers,
+    check_replicated_optimizers,
+)
 from lightning_parallel.strategies.torchrec.sharding_plan import (
     Sharding,
     check_runnable,
     check_sharding_names,
     format_plan,
-    parameter_constraints,
     plan_rows,
-    plan_sharding,
-    runnable_sharding_types,
-)
-from lightning_parallel.strategies.torchrec.replicated import (
-    ReplicatedTableOptimizer,
-    TableOptimizers,
-    check_replicated_optimizers,
+    plan_tables,
 )
 
 
@@ -213,11 +211,9 @@ class TorchRecStrategy(DDPStrategy):
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
         from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 
-        runnable = runnable_sharding_types(self.root_device.type, self._backend())
-        constraints = parameter_constraints(tables, self.sharding, runnable, self.compute_kernel, self.column_shard_dim)
         sharders = [EmbeddingBagCollectionSharder()]
-        group = torch.distributed.group.WORLD
-        self.plan = plan_sharding(module, sharders, constraints, self.world_size, self.root_device.type, group)
+        self.plan = plan_tables(module, tables, self.sharding, self.world_size, self.root_device.type, self._backend(),
+                                self.compute_kernel, self.column_shard_dim, torch.distributed.group.WORLD)
         self.plan_table = plan_rows(self.plan, tables, self.world_size)
         ddp = dict(self.dmp_ddp_kwargs)
         wrapper = DefaultDataParallelWrapper(static_graph=ddp.pop("static_graph"),

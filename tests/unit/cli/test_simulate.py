@@ -58,8 +58,8 @@ def test_a_config_json_folder_is_the_model_and_its_step_is_measured(tmp_path, ca
     transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=256, max_position_embeddings=64).save_pretrained(folder)
     main(["model=hf_causal_lm", f"model.config={folder}", "data=text_padded", "data.seq_len=32", "data.batch_size=2",
-          "strategy=hybrid", "trainer.devices=4", "strategy.pipeline_parallel_size=1", "strategy.tensor_parallel_size=2",
-          "strategy.zero_stage=3", "--out", str(tmp_path / "out")])
+          "strategy=hybrid", "trainer.devices=4", "strategy.pipeline_parallel_size=1",
+          "strategy.tensor_parallel_size=2", "strategy.zero_stage=3", "--out", str(tmp_path / "out")])
     found = json.loads((tmp_path / "out" / "simulation.json").read_text())
     out = capsys.readouterr().out
 
@@ -69,3 +69,20 @@ def test_a_config_json_folder_is_the_model_and_its_step_is_measured(tmp_path, ca
     assert {("all_gather", "data_parallel"), ("reduce_scatter", "data_parallel"),
             ("all_reduce", "tensor_parallel")} <= kinds
     assert "step collectives" in out and "activations measured" in out
+
+
+def test_torchrec_is_simulated_from_its_planners_plan(tmp_path, capsys):
+    """strategy=torchrec (experiment=recsys_torchrec: 8 tables of 262,144 x 64, table-wise) on 4 ranks: each rank
+    holds two whole tables and their fused Adagrad sums, beside the replicated dense part."""
+    pytest.importorskip("torchrec")
+    pytest.importorskip("fbgemm_gpu")
+    main(["experiment=recsys_torchrec", "trainer.devices=4", "--out", str(tmp_path)])
+    found = json.loads((tmp_path / "simulation.json").read_text())
+
+    (only,) = found["classes"]
+    tables = 2 * 262144 * 64 * 4
+    dense = only["details"]["dense_parameter_bytes"]
+    assert only["ranks"] == [0, 1, 2, 3] and found["elements_checked"] == 8 * 262144 * 64
+    assert only["parameter_bytes"] == tables + dense and only["gradient_bytes"] == dense
+    assert only["optimizer_bytes"] > tables  # the fused sums, and Adam's state on the dense part
+    assert "TorchRec" in capsys.readouterr().out
