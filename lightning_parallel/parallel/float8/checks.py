@@ -71,7 +71,7 @@ def _require_torchao(float8: str) -> None:
 
 
 def check_float8_device(float8: Optional[str], device: Any) -> None:
-    """Refuse FP8 on a CUDA device without FP8 tensor cores (``torch._scaled_mm`` fails there mid-step).
+    """Refuse FP8 on a CUDA device without FP8 tensor cores (torch's scaled matmul fails there mid-step).
 
     On any other device torchao's emulation runs the same numerics in fp32 (:mod:`.convert`).
 

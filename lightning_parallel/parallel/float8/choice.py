@@ -3,7 +3,7 @@
 A ``Linear`` layer computes in FP8 unless the model's adapter names it as one that must stay in high precision
 (:meth:`~lightning_parallel.parallel.adapter.ModelAdapter.high_precision_layers`: the output head, MoE routers, ...),
 or one of its matmul dimensions, as this rank computes it under tensor parallelism, is not a multiple of 16 (FP8
-tensor cores need it; ``torch._scaled_mm`` refuses such shapes on the GPU). The choice is the same on every device,
+tensor cores need it; torch's scaled matmul refuses such shapes on the GPU). The choice is the same on every device,
 so a CPU run (torchao's emulation) converts the layers a GPU run converts. Everything that is not a ``Linear`` --
 embeddings, norms, the grouped expert weights of a mixture-of-experts layer -- stays in high precision anyway.
 """
