@@ -125,8 +125,8 @@ def _log_to_rank_file(run_dir: Path, rank: int) -> None:
 def fork_rank(rank: int, env: dict[str, str], run_dir: Path, body: Callable[[], int]) -> ForkedRank:
     """Fork local rank ``rank``; in the child set its environment, run ``body`` and exit with its code.
 
-    The child never returns into the launcher's stack (a Hydra multirun would run the next job there): it leaves with
-    ``os._exit`` whatever happens, after flushing its output.
+    The child never returns into the launcher's stack (a Hydra multirun would run the next job there): whatever
+    happens, it flushes its output and exits without unwinding.
 
     Args:
         rank: the local rank the child becomes.

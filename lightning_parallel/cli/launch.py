@@ -151,6 +151,22 @@ def _after_rank_zero_failed(error: BaseException, watcher: _ChildWatcher, childr
         raise cause from error
 
 
+def _start_ranks(cfg: DictConfig, run_dir: Path, nprocs: int, run_id: str,
+                 rank_body: Optional[Callable[[], int]], rank_env: dict[str, str]) -> list[Any]:
+    """Start ranks 1..nprocs-1, forked (``rank_body``) or as new interpreters; see :func:`local_ranks`."""
+    method = start_method(cfg.trainer.get("accelerator", "auto")) if rank_body is not None else "spawn"
+    # Written for forked ranks too: the record of the exact configuration every rank of this run trains on.
+    resolved = OmegaConf.to_yaml(OmegaConf.to_container(cfg, resolve=True))
+    config_dir, sha256 = write_rank_config(run_dir, run_id, resolved)
+    identity = {ENV_RUN_ID: run_id, ENV_CONFIG_SHA: sha256, "LP_PARENT_PID": str(os.getpid())}
+    children: list[Any] = []
+    for rank in range(1, nprocs):
+        env = {**os.environ, **rank_env, **identity, "LOCAL_RANK": str(rank), "RANK": str(rank)}
+        children.append(fork_rank(rank, env, run_dir, rank_body) if method == "fork"
+                        else _start_child(rank, config_dir, run_dir, env))
+    return children
+
+
 @contextmanager
 def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int, run_id: str,
                 rank_body: Optional[Callable[[], int]] = None) -> Iterator[None]:
@@ -168,25 +184,10 @@ def local_ranks(cfg: DictConfig, run_dir: Path, nprocs: int, run_id: str,
     """
     import torch
 
-    method = start_method(cfg.trainer.get("accelerator", "auto")) if rank_body is not None else "spawn"
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nprocs))
-    rank_env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "WORLD_SIZE": str(nprocs),
-        "LOCAL_WORLD_SIZE": str(nprocs),
-        "NODE_RANK": "0",
-    }
-    # Written for forked ranks too: the record of the exact configuration every rank of this run trains on.
-    resolved = OmegaConf.to_yaml(OmegaConf.to_container(cfg, resolve=True))
-    config_dir, sha256 = write_rank_config(run_dir, run_id, resolved)
-    identity = {ENV_RUN_ID: run_id, ENV_CONFIG_SHA: sha256, "LP_PARENT_PID": str(os.getpid())}
-    children: list[Any] = []
-    for rank in range(1, nprocs):
-        env = {**os.environ, **rank_env, **identity,
-               "LOCAL_RANK": str(rank), "RANK": str(rank), "OMP_NUM_THREADS": threads}
-        children.append(fork_rank(rank, env, run_dir, rank_body) if method == "fork"
-                        else _start_child(rank, config_dir, run_dir, env))
+    rank_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nprocs),
+                "LOCAL_WORLD_SIZE": str(nprocs), "NODE_RANK": "0"}
+    children = _start_ranks(cfg, run_dir, nprocs, run_id, rank_body, {**rank_env, "OMP_NUM_THREADS": threads})
     shutdown = signals.current()
     if shutdown is not None:
         shutdown.children = children
