@@ -164,3 +164,20 @@ def test_a_sweep_with_a_failing_job_writes_its_row_prints_the_table_and_exits_wi
                                            "data.path=null for the built-in data"], rows
     assert math.isfinite(float(rows[0]["val_loss"]))
     assert "sweep summary (2 jobs)" in out and "1 of 2 jobs failed" in out and "Traceback" not in out
+
+
+def test_forked_and_spawned_ranks_train_the_same_losses_and_keep_their_own_logs(tmp_path):
+    """On CPU lp-train forks ranks 1..N-1 after its imports and checks (cli/forked_rank.py); LP_START_METHOD=spawn
+    starts new interpreters as before. Both give the same losses bit for bit, and each rank logs to its own file."""
+    args = [*TINY, "strategy=hybrid", "strategy.pipeline_parallel_size=2", "strategy.tensor_parallel_size=1",
+            "strategy.microbatches=2", "trainer.devices=2", "trainer.max_steps=3", "callbacks.evaluation=null"]
+    with ThreadPoolExecutor(2) as pool:
+        runs = {method: pool.submit(lp_train, [*args, f"hydra.run.dir={method}"], tmp_path, 300,
+                                    lp_train_env(LP_START_METHOD=method)) for method in ("fork", "spawn")}
+        for result in runs.values():
+            ok(result.result())
+    losses = {method: logged_scalars(tmp_path / method / "tensorboard", "train_loss") for method in runs}
+    assert sorted(losses["fork"]) == [0, 1, 2] and losses["fork"] == losses["spawn"]
+    for method in runs:
+        assert "GLOBAL_RANK: 1" in (tmp_path / method / "rank1.log").read_text()
+        assert "GLOBAL_RANK: 1" not in (tmp_path / method / "train.log").read_text()
