@@ -57,16 +57,21 @@ def _split_cluster(overrides: list[str], given: Optional[str]) -> tuple[list[str
 
 
 def _kind(strategy: Any) -> str:
-    """``hybrid`` (a strategy with ``ParallelOptions``), ``torchrec``, or refused (DDP, single device, ...)."""
+    """``hybrid`` (a strategy with ``ParallelOptions``), ``torchrec``, ``deepspeed``, or refused (DDP, single
+    device, ...)."""
     from lightning_parallel.parallel.options import ParallelOptions
+    from lightning_parallel.strategies.deepspeed.strategy import DeepSpeedDataParallelStrategy
 
     if isinstance(getattr(strategy, "options", None), ParallelOptions):
         return "hybrid"
     if getattr(strategy, "strategy_name", None) == "torchrec":
         return "torchrec"
+    if isinstance(strategy, DeepSpeedDataParallelStrategy):
+        return "deepspeed"
     name = strategy if isinstance(strategy, str) else type(strategy).__name__
-    raise ConfigError(f"lp-simulate simulates the hybrid strategy and its presets, and TorchRec; strategy {name} is "
-                      "none of them: use strategy=hybrid (or pipeline, tensor, context) with the same sizes.")
+    raise ConfigError(f"lp-simulate simulates the hybrid strategy and its presets, TorchRec and DeepSpeed; strategy "
+                      f"{name} is none of them: use strategy=hybrid (or pipeline, tensor, context) with the same "
+                      "sizes.")
 
 
 def run(overrides: list[str], cluster_name: str, out: Optional[str]) -> tuple[Any, Path]:
@@ -78,7 +83,7 @@ def run(overrides: list[str], cluster_name: str, out: Optional[str]) -> tuple[An
     from hydra.utils import instantiate
 
     from lightning_parallel.cli.preflight import world_size_of
-    from lightning_parallel.cli.simulate_strategies import simulate_torchrec
+    from lightning_parallel.cli.simulate_strategies import simulate_deepspeed, simulate_torchrec
     from lightning_parallel.planner.cluster import load_cluster
     from lightning_parallel.planner.simulation import simulate
     from lightning_parallel.planner.simulation.step import batch_of
@@ -93,6 +98,9 @@ def run(overrides: list[str], cluster_name: str, out: Optional[str]) -> tuple[An
         if kind == "torchrec":
             simulation = simulate_torchrec(lambda: instantiate(cfg.model), strategy, world_size_of(cfg), cluster,
                                            cluster.memory_per_device)
+        elif kind == "deepspeed":
+            simulation = simulate_deepspeed(lambda: instantiate(cfg.model), strategy, world_size_of(cfg),
+                                            _UNIFIED_PRECISION.get(precision, precision), cluster.memory_per_device)
         else:
             simulation = simulate(lambda: instantiate(cfg.model), strategy.options, world_size_of(cfg),
                                   num_nodes=int(cfg.trainer.num_nodes),

@@ -63,6 +63,34 @@ def simulate_torchrec(build: Any, strategy: Any, world_size: int, cluster: Any,
     return simulation
 
 
+def simulate_deepspeed(build: Any, strategy: Any, world_size: int, precision: str,
+                       device_memory: Optional[float] = None) -> Any:
+    """Every rank's bytes under the strategy's ZeRO stage, by DeepSpeed's partition arithmetic
+    (:mod:`lightning_parallel.planner.simulation.zero_partitions`).
+
+    Args:
+        build: builds the LightningModule (``configure_model`` is run on ``meta`` here).
+        strategy: the run's :class:`~lightning_parallel.strategies.DeepSpeedDataParallelStrategy`.
+        world_size: ranks in the world (all data-parallel under DeepSpeed).
+        precision: the Trainer's precision name.
+        device_memory: bytes per device to predict the fit against.
+
+    Raises:
+        ValueError: offloading (host memory is not simulated), or a precision the arithmetic does not cover.
+    """
+    from lightning_parallel.planner.simulation.rank_run import build_on_meta
+    from lightning_parallel.planner.simulation.zero_partitions import ZeroSettings, simulate_zero
+
+    zero = dict(strategy.config.get("zero_optimization", {}))
+    offloaded = [key for key in ("offload_optimizer", "offload_param")
+                 if str((zero.get(key) or {}).get("device", "none")) not in ("none", "None")]
+    if offloaded:
+        raise ValueError(f"lp-simulate does not simulate DeepSpeed's offloading ({', '.join(offloaded)}: host "
+                         "memory); simulate the same zero_stage without offload_* to see what the device holds.")
+    return simulate_zero(build_on_meta(build), world_size, ZeroSettings.of(zero), precision=precision,
+                         device_memory=device_memory)
+
+
 def _module_with_tables(build: Any, strategy: Any) -> tuple[nn.Module, dict[str, tuple[str, Any]]]:
     """The module built on ``meta``, its tables given the strategy's optimizer where the model gave none, and its
     tables' configs (the strategy's set-up, before sharding)."""

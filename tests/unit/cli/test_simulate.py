@@ -86,3 +86,17 @@ def test_torchrec_is_simulated_from_its_planners_plan(tmp_path, capsys):
     assert only["parameter_bytes"] == tables + dense and only["gradient_bytes"] == dense
     assert only["optimizer_bytes"] > tables  # the fused sums, and Adam's state on the dense part
     assert "TorchRec" in capsys.readouterr().out
+
+
+def test_deepspeed_is_simulated_by_its_partition_arithmetic_and_offloading_is_refused(tmp_path, capsys):
+    main(["experiment=nlp_gpt", "model=gpt_tiny", "strategy=deepspeed_zero2", "trainer.devices=4", "--out",
+          str(tmp_path)])
+    found = json.loads((tmp_path / "simulation.json").read_text())
+    (only,) = found["classes"]
+    assert found["settings"]["zero_stage"] == 2 and only["ranks"] == [0, 1, 2, 3]
+    assert only["gradient_bytes"] * 4 <= only["parameter_bytes"] + 32  # a quarter of the flat buffer (padding aside)
+    assert "partition arithmetic" in capsys.readouterr().out
+
+    with pytest.raises(SystemExit) as done:
+        main(["experiment=nlp_gpt", "model=gpt_tiny", "strategy=deepspeed_zero3_offload", "trainer.devices=4"])
+    assert done.value.code == 2 and "offloading" in capsys.readouterr().err
