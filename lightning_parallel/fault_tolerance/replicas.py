@@ -107,9 +107,9 @@ class ReplicaGroups:
         state_dict, load_state_dict = state_functions(
             strategy.lightning_module, lambda: optimizers, lambda: [c.scheduler for c in trainer.lr_scheduler_configs],
             self._position_for_peer, self._on_recovered)
-        if strategy.world_size > 1:  # monitored_barrier is gloo's: a CPU group for it when the group trains on NCCL
-            dist, cuda = torch.distributed, strategy.root_device.type == "cuda"
-            self._liveness_group = dist.new_group(backend="gloo") if cuda else dist.group.WORLD
+        if strategy.world_size > 1:  # gloo's monitored_barrier; its group's timeout bounds the wait for a hung rank 0
+            liveness_timeout = timedelta(seconds=o.group_timeout)  # (monitored_barrier's own bounds only rank 0's wait)
+            self._liveness_group = torch.distributed.new_group(backend="gloo", timeout=liveness_timeout)
         env = strategy.cluster_environment
         # Synchronous quorum: a group that heals takes part in the same step, so no batch is read in vain.
         self.manager = torchft.Manager(
@@ -257,9 +257,10 @@ class ReplicaGroups:
             self.manager.start_quorum()
         except TimeoutError as error:
             raise RuntimeError(
-                f"fault_tolerance: no quorum of {o.min_replicas} replica group(s) formed within "
-                f"{o.quorum_timeout:g} s (lighthouse {o.lighthouse}). Start the other groups, or lower "
-                f"fault_tolerance.min_replicas / the lighthouse's --min_replicas.") from error
+                f"fault_tolerance: no quorum of {o.min_replicas} replica group(s) formed within {o.quorum_timeout:g} s "
+                f"(lighthouse {o.lighthouse}). Start the other groups, or lower fault_tolerance.min_replicas / the "
+                f"lighthouse's --min_replicas; if all run, a hung group of one process (no peer stops it after "
+                f"group_timeout) still heartbeats and holds the quorum back: restart it.") from error
         self._need_quorum = False
         participants = self.manager.num_participants()
         if not self._started and self.manager.current_step() == 0 and participants < o.replicas:

@@ -49,7 +49,7 @@ class ReplicaGroupsResult:
 def run_replica_groups(fn: Callable[..., Any], groups: int, group_size: int, *args: Any, restarts: int = 1,
                        timeout: float = 300.0, env: Optional[dict[str, str]] = None, join_timeout_ms: int = 10000,
                        heartbeat_timeout_ms: int = 2000, restart_delay: float = 0.0,
-                       **kwargs: Any) -> ReplicaGroupsResult:
+                       watch: Optional[Callable[[Any], None]] = None, **kwargs: Any) -> ReplicaGroupsResult:
     """Call ``fn(rank, group_size, *args, **kwargs)`` on ``group_size`` processes per group, ``groups`` groups.
 
     Args:
@@ -64,6 +64,8 @@ def run_replica_groups(fn: Callable[..., Any], groups: int, group_size: int, *ar
         heartbeat_timeout_ms: how long a silent group counts as alive.
         restart_delay: seconds between a group's failure and its restart (longer than ``heartbeat_timeout_ms``:
             the others notice the loss and train on without it first).
+        watch: called with the lighthouse server on every supervision tick, in this process (a fault trial shuts
+            the lighthouse down when the run reaches a step: ``benchmarks/fault_replicas.py``).
         **kwargs: passed to every rank.
 
     Raises:
@@ -84,7 +86,8 @@ def run_replica_groups(fn: Callable[..., Any], groups: int, group_size: int, *ar
     try:
         for group in state:
             launch(group)
-        _supervise(state, launch, group_size, restarts, restart_delay, deadline)
+        _supervise(state, launch, group_size, restarts, restart_delay, deadline,
+                   (lambda: watch(lighthouse)) if watch else (lambda: None))
     finally:
         for group in state:
             stop_ranks(group.procs, finished=len(group.outputs) == group_size)
@@ -94,9 +97,10 @@ def run_replica_groups(fn: Callable[..., Any], groups: int, group_size: int, *ar
 
 
 def _supervise(state: list[_Group], launch: Callable[[_Group], None], group_size: int, restarts: int,
-               restart_delay: float, deadline: float) -> None:
+               restart_delay: float, deadline: float, tick: Callable[[], None]) -> None:
     """Collect every group's results; stop and (after ``restart_delay``) restart a group that fails."""
     while any(len(g.outputs) < group_size for g in state):
+        tick()
         if time.monotonic() > deadline:
             raise DistributedRunError("replica groups timed out: "
                                       f"{[(g.index, sorted(g.outputs)) for g in state]}")

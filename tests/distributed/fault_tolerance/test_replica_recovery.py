@@ -66,8 +66,12 @@ def test_two_groups_without_a_failure_equal_one_process_on_the_joined_batches(tm
 @pytest.mark.parametrize(("layout", "fault"), [("pipeline 2", fail_at(replica=1, rank=0, step=5)),
                                                ("tensor 2", fail_at(replica=1, rank=0, step=5)),
                                                pytest.param("pipeline 2", hang_at(replica=1, rank=1, step=5),
-                                                            marks=pytest.mark.extended)],  # 20 s; time budget
-                         ids=["pipeline 2, killed", "tensor 2, killed", "pipeline 2, hung"])
+                                                            marks=pytest.mark.extended),  # 20 s; time budget
+                                               # rank 0 hung: its peers wait in monitored_barrier's send/recv, bounded
+                                               # by the liveness group's own timeout (issue 43: else 30 min, and the
+                                               # healthy group stopped, finding no quorum)
+                                               ("pipeline 2", hang_at(replica=1, rank=0, step=5))],  # 12 s
+                         ids=["pipeline 2, killed", "tensor 2, killed", "pipeline 2, hung", "pipeline 2, rank 0 hung"])
 def test_a_lost_group_rejoins_from_a_healthy_peer_and_the_run_matches_its_committed_steps(layout, fault, tmp_path):
     steps = 24
     ft = {**FT, "group_timeout": 5} if fault.kind == "hang" else FT  # the hung group stops after 5 s
