@@ -30,10 +30,11 @@ from typing import Any, Callable, Optional
 
 from lightning_parallel.runtime.ports import free_port
 
-# What every rank imports anyway; the fork server imports it once for all launches of a session.
+# What every rank imports anyway; the fork server imports it once for all launches of a session
+# (and the commands the integration tests run: lp-train's module, Hydra with it).
 # Not deepspeed: its import asks torch.cuda for the device count, and a process that has touched
-# CUDA cannot hand it on to forked children (checked: these four never touch torch.cuda).
-_PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_parallel")
+# CUDA cannot hand it on to forked children (checked: these never touch torch.cuda).
+PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_parallel", "lightning_parallel.cli.train")
 _START_METHOD = "forkserver"  # "spawn" works too, re-importing everything in every rank (seconds per rank)
 
 
@@ -134,7 +135,7 @@ def start_ranks(
     """Start the ranks on a free port; each reports ``(rank, ok, pickled value or traceback)`` on the queue."""
     ctx = mp.get_context(_START_METHOD)  # never plain "fork": torch may have started threads in this process
     if _START_METHOD == "forkserver":
-        ctx.set_forkserver_preload(list(_PRELOAD))  # takes effect when the server starts (the first launch)
+        ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server starts (the first launch)
     results: mp.Queue = ctx.Queue()
     port = free_port()
     rank_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}

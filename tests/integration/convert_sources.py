@@ -14,8 +14,6 @@ groups named by the module's own ``configure_optimizers``, independently of the 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,6 +27,7 @@ from lightning_parallel.checkpoints.detect import identify_writer, read_lightnin
 from lightning_parallel.checkpoints.lightning.groups import module_group_names
 from lightning_parallel.checkpoints.lightning.reader import flatten_optimizer_state, load_single_file
 from lightning_parallel.checkpoints.safe_loading import load_plain, plain_containers
+from tests.integration.forked_cli import forked_or_spawned
 
 HF_CLASS = "lightning_parallel.examples.nlp.hf_causal_lm.HFCausalLM"
 GPT_CLASS = "lightning_parallel.examples.nlp.model.GPT"
@@ -55,8 +54,7 @@ def lp_train(name: str, root: Path, timeout: float = 600) -> Path:
     """Run ``lp-train`` for source ``name`` in ``root/name``; returns its ``checkpoints/last.ckpt``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
     args = [*LP_TRAIN[name][0], f"hydra.run.dir={root / name}"]
-    result = subprocess.run([sys.executable, "-m", "lightning_parallel.cli.train", *args], cwd=root, env=env,
-                            capture_output=True, text=True, timeout=timeout)
+    result = forked_or_spawned("lightning_parallel.cli.train", [*args], root, env, timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return root / name / "checkpoints" / "last.ckpt"
 

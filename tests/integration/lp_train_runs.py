@@ -1,10 +1,11 @@
-"""``lp-train`` as a user runs it, for the integration tests: a subprocess from a folder, its result, its losses."""
+"""``lp-train`` as a user runs it, for the integration tests: a process from a folder (forked from the session's fork
+server: tests/integration/forked_cli.py), its result, its losses."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Optional
+
+from tests.integration.forked_cli import forked_or_spawned
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,9 +17,7 @@ def lp_train_env(**extra: str) -> dict[str, str]:
 
 def lp_train(args: list[str], cwd: Path, timeout: float = 300, env: Optional[dict[str, str]] = None):
     """``lp-train *args`` in ``cwd``; its ``CompletedProcess`` (output captured)."""
-    command = [sys.executable, "-m", "lightning_parallel.cli.train", *args]
-    return subprocess.run(command, cwd=cwd, env=env or lp_train_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return forked_or_spawned("lightning_parallel.cli.train", args, cwd, env or lp_train_env(), timeout)
 
 
 def ok(result) -> str:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -33,6 +31,7 @@ from tests.integration.convert_sources import (
     lp_train,
     model_parallel_source,
 )
+from tests.integration.forked_cli import forked_or_spawned
 
 pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
 # Extended (pytest -m extended): making the six real sources takes about 2.5 minutes, over the default suite's budget;
@@ -146,8 +145,7 @@ def test_converted_lightning_files_resume_under_lightning_itself(sources, tmp_pa
         args = [*model_and_data, *strategy, "trainer.max_steps=3", f"ckpt_path={converted}",
                 f"hydra.run.dir={tmp_path / name}"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-        run = subprocess.run([sys.executable, "-m", "lightning_parallel.cli.train", *args], cwd=root, env=env,
-                             capture_output=True, text=True, timeout=600)
+        run = forked_or_spawned("lightning_parallel.cli.train", [*args], root, env, 600)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
         resumed = torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=False)
         assert resumed["global_step"] == 3, name  # 2 steps from the checkpoint, 1 more

@@ -15,6 +15,7 @@ from hydra.utils import instantiate
 
 from lightning_parallel.cli.train import CONFIG_DIR, layout_of, world_size_of
 from lightning_parallel.testing import run_processes
+from tests.integration.forked_cli import forked_or_spawned
 from tests.integration.recipe_runs import fit_pretrained_cases, full_documents
 
 pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
@@ -63,8 +64,7 @@ def test_lp_train_hf_tensor_on_two_processes_learns(tmp_path):
     # No warm-up: the experiment's 30 warm-up steps would leave 4 steps at a near-zero learning rate.
     args = ["experiment=hf_tensor", "trainer.devices=2", *TINY_RUN, "model.warmup_steps=0",
             f"hydra.run.dir={tmp_path}/run"]
-    result = subprocess.run([sys.executable, "-m", "lightning_parallel.cli.train", *args], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = forked_or_spawned("lightning_parallel.cli.train", [*args], tmp_path, env, 600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     print(f"hf_tensor val_loss after 4 steps: {metrics['metrics']['val_loss']:.4f} (uniform: ln 128 = 4.852)")
@@ -148,8 +148,7 @@ def test_lp_train_hf_hybrid_fine_tunes_a_pretrained_folder_with_one_override(tmp
     record = tmp_path / "first.pt"
     args = ["experiment=hf_hybrid", f"model.pretrained={folder}", *TINY_RUN, f"hydra.run.dir={tmp_path}/run",
             f"+callbacks.first._target_={__name__}.FirstBatchLoss", f"+callbacks.first.path={record}"]
-    result = subprocess.run([sys.executable, "-m", "lightning_parallel.cli.train", *args], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=900)
+    result = forked_or_spawned("lightning_parallel.cli.train", [*args], ROOT, env, 900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     first = torch.load(record, weights_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).float()

@@ -1,11 +1,11 @@
 """``lp-compare`` end to end: the GPT recipe under four layouts matches one process; an injected bug does not."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.forked_cli import forked_or_spawned
 
 pytestmark = pytest.mark.slow
 
@@ -15,8 +15,8 @@ TINY = ["experiment=nlp_gpt", "model=gpt_tiny", "data.seq_len=16", "data.max_byt
 
 def _compare(args, tmp_path, timeout=600):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "lightning_parallel.cli.compare", *args, f"hydra.run.dir={tmp_path}/run"]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    result = forked_or_spawned("lightning_parallel.cli.compare", [*args, f"hydra.run.dir={tmp_path}/run"], tmp_path,
+                               env, timeout)
     return result.returncode, result.stdout + result.stderr
 
 

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 from tests.integration.entry_point import entry_point_env
+from tests.integration.forked_cli import forked_or_spawned
 
 
 def test_lp_plan_prints_a_ranking_and_an_override_line_lp_train_composes(tmp_path) -> None:
     command = [sys.executable, "-m", "lightning_parallel.cli.plan", "model=gpt_tiny", "trainer.devices=4",
                "data.seq_len=32", "data.max_bytes=20000", "--cluster", "cpu", "--top", "5"]
-    done = subprocess.run(command, env=entry_point_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = forked_or_spawned(command[2], command[3:], tmp_path, entry_point_env(), 300)
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     assert "lp-plan: GPT on 4 x cpu" in out and "refused layouts" in out
@@ -27,6 +27,6 @@ def test_lp_plan_prints_a_ranking_and_an_override_line_lp_train_composes(tmp_pat
 
 def test_lp_plan_refuses_a_bad_cluster_in_one_line(tmp_path) -> None:
     command = [sys.executable, "-m", "lightning_parallel.cli.plan", "model=gpt_tiny", "--cluster", "nowhere"]
-    done = subprocess.run(command, env=entry_point_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = forked_or_spawned(command[2], command[3:], tmp_path, entry_point_env(), 300)
     assert done.returncode == 2
     assert done.stderr.startswith("lp-plan: error: No cluster description 'nowhere'") and "h100_node" in done.stderr

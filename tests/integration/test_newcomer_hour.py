@@ -8,8 +8,6 @@ a Lightning file, a plain ``state_dict``) and the Lightning file back to the sui
 (``model.pretrained=``), which is the way back from a ``save_pretrained`` folder.
 """
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import pytest
 import torch
 
 from lightning_parallel.cli.convert import main as lp_convert
+from tests.integration.forked_cli import forked_or_spawned
 from tests.integration.lp_train_runs import logged_scalars, lp_train_env, ok
 
 pytestmark = pytest.mark.slow
@@ -34,8 +33,7 @@ def _run(command: str, args: list[str], cwd: Path, timeout: float = 300) -> str:
     """``lp-<command> *args`` as the README runs it (the module behind the console script), asserting exit 0; its
     wall time is printed (``pytest -s``)."""
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", f"lightning_parallel.cli.{command}", *args], cwd=cwd,
-                            env=lp_train_env(), capture_output=True, text=True, timeout=timeout)
+    result = forked_or_spawned(f"lightning_parallel.cli.{command}", [*args], cwd, lp_train_env(), timeout)
     print(f"lp-{command} {' '.join(args)[:90]}: {time.perf_counter() - start:.1f} s")
     return ok(result)
 

@@ -4,8 +4,6 @@ import csv
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -15,6 +13,7 @@ from omegaconf import OmegaConf
 
 from lightning_parallel.cli.sweep_summary import SUMMARY_FILE, SweepSummary, summarise
 from lightning_parallel.cli.train import CONFIG_DIR, apply_scaling, layout_of, world_size_of
+from tests.integration.forked_cli import forked_or_spawned
 
 TINY = ["model=gpt_tiny", "trainer=cpu_test", "data.seq_len=32", "data.batch_size=4", "data.max_bytes=200000"]
 
@@ -101,8 +100,7 @@ def test_sweep_summary_collects_job_folders_and_marks_missing_ones(tmp_path, cap
 
 def _train(args, cwd, timeout=600):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-    result = subprocess.run([sys.executable, "-m", "lightning_parallel.cli.train", *args], cwd=cwd, env=env,
-                            capture_output=True, text=True, timeout=timeout)
+    result = forked_or_spawned("lightning_parallel.cli.train", [*args], cwd, env, timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result.stdout + result.stderr
 

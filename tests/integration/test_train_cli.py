@@ -3,11 +3,11 @@
 import csv
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import yaml
+
+from tests.integration.forked_cli import forked_or_spawned
 
 pytestmark = pytest.mark.slow
 
@@ -17,8 +17,7 @@ TINY = ["model=gpt_tiny", "trainer=cpu_test", "data.seq_len=32", "data.batch_siz
 
 def _run(args, cwd, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-    result = subprocess.run([sys.executable, "-m", "lightning_parallel.cli.train", *args], cwd=cwd, env=env,
-                            capture_output=True, text=True, timeout=timeout)
+    result = forked_or_spawned("lightning_parallel.cli.train", [*args], cwd, env, timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result.stdout + result.stderr
 
@@ -60,7 +59,6 @@ def test_multirun_over_device_counts_runs_each_job_in_its_own_folder(tmp_path):
 
 def test_bad_layout_fails_before_any_process_starts(tmp_path):
     env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
-    result = subprocess.run([sys.executable, "-m", "lightning_parallel.cli.train", *TINY, "trainer.devices=0"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    result = forked_or_spawned("lightning_parallel.cli.train", [*TINY, "trainer.devices=0"], tmp_path, env, 120)
     assert result.returncode != 0
     assert "trainer.devices=0" in result.stderr
