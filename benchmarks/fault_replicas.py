@@ -55,7 +55,7 @@ FAULTS: dict[str, Fault] = {
     "lighthouse lost": Fault(lighthouse_at=FAULT_STEP),
     "lighthouse lost then a group killed": Fault((fail_at(replica=1, rank=0, step=3 * FAULT_STEP),), FAULT_STEP),
 }
-LAYOUTS = {"one": 1, "pipeline 2": 2}  # the replica_runs layouts: ranks per group
+LAYOUTS = {"one": 1, "pipeline 2": 2, "tensor 2": 2}  # the replica_runs layouts: ranks per group
 
 
 class LighthouseKiller:
