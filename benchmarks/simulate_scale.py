@@ -75,7 +75,8 @@ PUBLISHED: dict[str, tuple] = {
     "llama3-405b/512 fsdp8 x tp8 x pp8": ("llama", LLAMA3_405B, 128256, 512,
                                           {"data_parallel_size": 8, "tensor_parallel_size": 8,
                                            "pipeline_parallel_size": 8, "zero_stage": 3, "microbatches": 32,
-                                           "activation_checkpointing": "full", "loss_parallel": True},
+                                           "activation_checkpointing": "full", "loss_parallel": True,
+                                           "sequence_parallel": True},
                                           (32, 8192), 82.5, f"{TORCHTITAN}, table 5 (1F1B, compile, Float8)"),
 }
 PUBLISHED["deepseek-v3/256 ep64 fsdp"] = ("deepseek_v3", DEEPSEEK_V3, 129280, 256,

@@ -22,10 +22,12 @@ then the split batch's global position ids and its mask descriptor (:mod:`.hf_co
 builders pass through unchanged to the run's attention function, and the targets are its ``shift_labels``.
 
 Note:
-    Only the hidden states travel between stages. The batch's ``attention_mask`` (and
-    ``position_ids`` when the batch has them) reach every stage as keyword side inputs that
-    torch splits per micro-batch: every pipeline rank already holds the batch, so sending
-    them would add traffic, and integer tensors have no place in the backward pass.
+    Only the hidden states travel between stages. The batch's ``attention_mask`` and ``position_ids``
+    (the batch's, else ``0 .. seq-1`` per row, as the base model computes them) reach every stage as keyword
+    side inputs that torch splits per micro-batch: every pipeline rank already holds the batch, so sending
+    them would add traffic, and integer tensors have no place in the backward pass. A stage builds its masks
+    and rotary positions from them, not from the hidden states it receives, which under sequence parallelism
+    are its slice of the sequence.
 """
 
 from __future__ import annotations
@@ -214,7 +216,13 @@ def split_hf_inputs(inputs: Any) -> tuple[tuple, dict]:
             f"Batch keys {extra} are not understood by the pipeline (it passes {MODEL_INPUT!r} and {list(SIDE_INPUTS)} "
             "to the stages): drop them from the batch, or define pipeline_split_batch(batch) on the module."
         )
-    return (inputs[MODEL_INPUT],), {k: inputs[k] for k in SIDE_INPUTS if inputs.get(k) is not None}
+    side = {k: inputs[k] for k in SIDE_INPUTS if inputs.get(k) is not None}
+    if "position_ids" not in side:
+        # Every stage builds its rotary positions and masks from these (the values the base model computes), not from
+        # the length of the hidden states it receives: under sequence parallelism a later stage receives its slice.
+        tokens = inputs[MODEL_INPUT]
+        side["position_ids"] = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
+    return (inputs[MODEL_INPUT],), side
 
 
 def _by_layer_type(rotary: nn.Module) -> bool:
@@ -259,10 +267,14 @@ class HFStage(StageModule):
         exactly as the base model's forward builds them."""
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        # Under sequence parallelism a stage after the first decoder layer receives its slice of the sequence: the
+        # masks are built for the whole sequence (the builders read only the shape, dtype and device of this view).
+        whole = (hidden if position_ids.shape[-1] == hidden.shape[1]
+                 else hidden[:, :1].expand(hidden.shape[0], position_ids.shape[-1], *hidden.shape[2:]))
         builders, kinds = {**_mask_builders(), **self.chain.masks}, sorted(set(self.layer_types.values()))
         masks = {
             kind: builders[kind](
-                config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
+                config=self.config, inputs_embeds=whole, attention_mask=attention_mask, cache=None,
                 position_ids=position_ids,
             )
             for kind in kinds
@@ -271,9 +283,9 @@ class HFStage(StageModule):
         if rotary is None:
             positions = dict.fromkeys(kinds)
         elif self.by_type:
-            positions = {kind: rotary(hidden, position_ids, kind) for kind in kinds}
+            positions = {kind: rotary(whole, position_ids, kind) for kind in kinds}
         else:
-            positions = dict.fromkeys(kinds, rotary(hidden, position_ids))
+            positions = dict.fromkeys(kinds, rotary(whole, position_ids))
         if self.chain.rope_types is not None:  # layers without positional encoding (NoPE) get None
             positions = {kind: value if kind in self.chain.rope_types else None for kind, value in positions.items()}
         return masks, positions, position_ids

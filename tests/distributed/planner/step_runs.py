@@ -13,14 +13,18 @@ from tests.distributed.planner.simulation_runs import LAYOUTS, WORLD, gpt
 
 BATCH, SEQ = 8, 16  # the global batch of simulation_runs.measure_layouts
 # Step-only layouts: activation checkpointing (what it keeps is counted apart from autograd's saved tensors).
-# Not here: sequence parallelism, whose real step reduces more than the simulated one (docs/simulation.md).
+# Not here as a whole step: sequence parallelism, whose real step reduces more than the simulated one
+# (docs/simulation.md); under pipelining its sends and receives are compared.
 EXTRA = {"dp4 zero3 full checkpointing": ({"data_parallel_size": 4, "zero_stage": 3,
                                           "activation_checkpointing": "full"}, {}),
          "dp2 x tp2 zero3 selective checkpointing": ({"data_parallel_size": 2, "tensor_parallel_size": 2,
                                                       "zero_stage": 3, "activation_checkpointing": "selective"}, {}),
          # GPipe holds every micro-batch's activations at once: what a real step saves is the simulated peak.
          "dp2 x pp2 gpipe": ({"data_parallel_size": 2, "pipeline_parallel_size": 2, "schedule": "gpipe",
-                              "microbatches": 4}, {})}
+                              "microbatches": 4}, {}),
+         # Sequence parallelism under pipelining: the stages exchange each tensor rank's slice of the sequence.
+         "pp2 x tp2 sequence parallel": ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2,
+                                          "data_parallel_size": 1, "sequence_parallel": True, "microbatches": 2}, {})}
 STEP_CASES = {**LAYOUTS, **EXTRA}
 # The layouts whose step the simulation runs (MoE routing needs values, which meta has none of): whole steps, and
 # pipelined ones (their sends and receives; the second step is counted, the first also infers shapes).

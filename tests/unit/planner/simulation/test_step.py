@@ -3,6 +3,7 @@ batch, smaller under activation checkpointing), DDP's buckets, and a note where 
 
 from functools import partial
 
+import pytest
 import torch
 
 from examples.nlp.model import GPT
@@ -142,3 +143,24 @@ def test_values_narrower_than_queries_save_the_fused_kernels_tensors_at_their_ow
 
     assert shape == (2, 4, 16, 6)
     assert saved == 4096 + 4096 + 3072 + 3072 + 512  # q, k, v, output, log-sum-exp (fp32 per query)
+
+
+def test_a_hugging_face_decoder_pipelined_with_sequence_parallelism_sends_its_slice_of_the_sequence():
+    """Llama pp2 x tp2: with sequence parallelism a later stage receives (and builds its rotary positions for the
+    whole sequence around) each tensor rank's half of the boundary; without, the whole boundary."""
+    pytest.importorskip("transformers")
+    from examples.nlp.hf_causal_lm import HFCausalLM
+
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+
+    def last_stage(sequence_parallel: bool):
+        sizes = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "microbatches": 2,
+                 "sequence_parallel": sequence_parallel}
+        found = simulate(partial(HFCausalLM, "llama", shape, vocab_size=64), options(**sizes), 4,
+                         batch=partial(token_batch, 4, 64, True)).classes[-1]
+        return {c["kind"]: c["bytes"] for c in found.collectives}, found.activation_bytes
+
+    (whole, _), (sliced, saved) = last_stage(False), last_stage(True)
+    assert sliced["recv"] * 2 == whole["recv"] == 2 * (2 * 64 * 32 * 4)  # 2 micro-batches of 2 x 64 x 32 fp32
+    assert saved > 0
