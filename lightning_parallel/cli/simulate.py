@@ -5,6 +5,8 @@
         strategy.pipeline_parallel_size=4 strategy.tensor_parallel_size=4 strategy.zero_stage=3 \\
         strategy.data_replicate_size=2 cluster=h100_cluster        # 4,096 ranks, 10 classes, 3 s
     lp-simulate model=hf_causal_lm ...                             # a Llama-3-70B shape: docs/simulation.md
+    lp-simulate experiment=recsys_torchrec trainer.devices=8 trainer.num_nodes=512 cluster=h100_cluster  # TorchRec
+    lp-simulate experiment=nlp_gpt strategy=deepspeed_zero3 trainer.devices=8   # DeepSpeed's partition arithmetic
 
 The configuration is ``lp-train``'s (the same Hydra groups and overrides), checked by the same preflight: a layout
 ``lp-train`` refuses is refused here with the same message and exit code 2. Then the suite's real composition runs in
