@@ -10,7 +10,8 @@ starts each rank as ``python -m lightning_parallel.cli.train`` (every rank impor
 composes and checks the job again); the default on CPU forks the ranks from the launcher once it has done that
 (cli/forked_rank.py). The two are run alternately, so load from other jobs on the machine falls on both; medians and
 their ratio are printed.
-Target (issue 42): forked <= 0.6 x spawned at 2 processes.
+``--baseline DIR`` runs the spawned side from another checkout (a git worktree of an older commit): the code of
+before against the forked start of now. Target (issue 42): forked <= 0.6 x spawned at 2 processes.
 """
 
 from __future__ import annotations
@@ -25,11 +26,7 @@ import tempfile
 import time
 from datetime import date
 from pathlib import Path
-from typing import Any
-
-import lightning.pytorch as pl
-
-ROOT = Path(__file__).resolve().parents[1]
+from typing import Optional
 
 LAYOUTS = {
     "ddp": ["strategy=ddp"],
@@ -40,26 +37,34 @@ ONE_STEP = ["model=gpt_tiny", "trainer=cpu_test", "trainer.max_steps=1", "traine
 
 
 STAMP_ENV = "LP_BENCH_FIRST_STEP_FILE"
+# The callback every rank runs, written next to the runs as a module of its own, so that a baseline checkout
+# (--baseline, which has no benchmarks.startup_time) loads it too.
+STAMP_MODULE = '''import os, time
+from pathlib import Path
+import lightning.pytorch as pl
 
 
 class FirstStepStamp(pl.Callback):
-    """Writes the wall-clock time at which this rank starts its first training batch to ``$LP_BENCH_FIRST_STEP_FILE``
-    with the rank appended (the benchmark reads the last rank to get there)."""
+    """Writes the wall-clock time this rank starts its first training batch to $LP_BENCH_FIRST_STEP_FILE.rank<r>."""
 
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        path = Path(os.environ[STAMP_ENV] + f".rank{trainer.global_rank}")
+    def on_train_batch_start(self, trainer, *args):
+        path = Path(os.environ["LP_BENCH_FIRST_STEP_FILE"] + f".rank{trainer.global_rank}")
         if not path.exists():
             path.write_text(repr(time.time()))
+'''
 
 
-def one_run(method: str, devices: int, layout: str, workdir: Path) -> tuple[float, float]:
+def one_run(method: str, devices: int, layout: str, workdir: Path,
+            source: Optional[Path] = None) -> tuple[float, float]:
     """Seconds from the command to the first training step of the last rank, and to the exit, of one ``lp-train`` run
-    started the way ``method`` says."""
+    started the way ``method`` says (``source``: the checkout whose lightning_parallel runs; None: the installed
+    one)."""
     stamp = workdir / f"first-step-{method}-{time.monotonic_ns()}"
+    path = [str(workdir), *([str(source)] if source else []), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "LP_START_METHOD": method, "OMP_NUM_THREADS": "1", STAMP_ENV: str(stamp),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     command = [sys.executable, "-m", "lightning_parallel.cli.train", *LAYOUTS[layout], *ONE_STEP,
-               f"trainer.devices={devices}", "+callbacks.stamp._target_=benchmarks.startup_time.FirstStepStamp"]
+               f"trainer.devices={devices}", "+callbacks.stamp._target_=lp_bench_stamp.FirstStepStamp"]
     started_wall, started = time.time(), time.perf_counter()
     done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
     took = time.perf_counter() - started
@@ -73,6 +78,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 processes, DDP, 3 runs each way")
     parser.add_argument("--runs", type=int, default=None)
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a checkout (e.g. a git worktree of an older commit) whose lp-train the spawned runs use: "
+                             "today's code against the forked start")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results") / str(date.today()))
     args = parser.parse_args()
     runs = args.runs or (3 if args.quick else 5)
@@ -80,13 +88,15 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         workdir = Path(folder)
+        (workdir / "lp_bench_stamp.py").write_text(STAMP_MODULE)
         for devices, layout in cells:
             first: dict[str, list[float]] = {"spawn": [], "fork": []}
             whole: dict[str, list[float]] = {"spawn": [], "fork": []}
             one_run("fork", devices, layout, workdir)  # warm the file cache; not counted
             for _ in range(runs):
                 for method in ("spawn", "fork"):
-                    to_first, to_exit = one_run(method, devices, layout, workdir)
+                    to_first, to_exit = one_run(method, devices, layout, workdir,
+                                                args.baseline if method == "spawn" else None)
                     first[method].append(to_first)
                     whole[method].append(to_exit)
             row = {"processes": devices, "layout": layout, "runs": runs, "first_step": first, "exit": whole}
