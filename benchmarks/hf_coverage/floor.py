@@ -131,7 +131,9 @@ def layout_floor(model_type: str, layout: str, mode: str, whole: Optional[dict[s
     ordered = train_steps(model_type, mode, ARITHMETIC[layout])
     steps = step_differences(ordered["step_parameters"], whole["step_parameters"])
     gap = None
-    if single:
-        gap = max((d for d, _ in step_differences(whole["step_parameters"], single)), default=math.inf)
+    if single:  # by the names both hold: a tied head is one parameter to the loop, two names in a gathered state
+        shared = [({k: v for k, v in ours.items() if k in theirs}, {k: theirs[k] for k in ours if k in theirs})
+                  for ours, theirs in zip(whole["step_parameters"], single) if ours and theirs]
+        gap = max((d for d, _ in step_differences(*zip(*shared))), default=math.inf) if shared else math.inf
     return Floor(layout, steps[-1][0], tuple(d for d, _ in steps),
                  first_departure(ordered["step_parameters"], whole["step_parameters"]), gap)

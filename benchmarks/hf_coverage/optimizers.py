@@ -45,9 +45,14 @@ class Optimizer:
     def describe(self) -> str:
         """One line for pages and logs."""
         if self.name == "sgd":
-            return f"{self.steps} SGD steps (lr {self.lr:g})"
-        return (f"{self.steps} AdamW steps (lr {self.lr:g}, betas ({self.betas[0]:g}, {self.betas[1]:g}), "
-                f"weight decay {self.weight_decay:g} on matrices, eps {self.eps:g})")
+            return f"{self.steps} SGD steps (lr {_number(self.lr)})"
+        return (f"{self.steps} AdamW steps (lr {_number(self.lr)}, betas ({self.betas[0]:g}, {self.betas[1]:g}), "
+                f"weight decay {self.weight_decay:g} on matrices, eps {_number(self.eps)})")
+
+
+def _number(value: float) -> str:
+    """``0.1``, ``3e-4``, ``1e-8``: the way a recipe writes a rate."""
+    return f"{value:g}" if value >= 0.01 else f"{value:.0e}".replace("e-0", "e-")
 
 
 #: The matrix's modes. AdamW: lr 3e-4 (the top of a fine-tune's usual 1e-5..3e-4), betas (0.9, 0.95) and weight

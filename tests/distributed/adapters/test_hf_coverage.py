@@ -9,6 +9,10 @@ scaling, Cohere's logit scale), a plan naming its own blocks (GPT-NeoX), rotary 
 experts (Mixtral) -- a plain Llama, and a refusal (Granite-SWA's attention sinks under tensor parallelism).
 ``loss_parallel=True`` is checked on Phi-3 and OLMo2, whose fused or gathered projections crashed it.
 
+Under AdamW (issue 43) a cell beyond the tolerance is PARITY only within 10x its family's floor under the layout's
+own arithmetic (verdict tests with negative controls); the floor's loop reproduces the one-process run to the bit;
+the CI sample under AdamW runs with ``-m extended``.
+
 The pretrained columns (issue 39) are checked on a plain decoder (Llama), a tied embedding (Gemma 3) and experts
 (Mixtral): a ``save_pretrained`` folder loaded with ``pretrained=`` under tensor 2 and data 2 x expert 2 equals
 ``from_pretrained``'s model, trains like it in one process and exports back to it.
@@ -110,11 +114,15 @@ def test_loss_parallel_trains_fused_projection_families_like_one_process(tmp_pat
 
 @pytest.mark.extended
 def test_every_family_of_the_installed_transformers(tmp_path):
-    result = run_matrix(out=tmp_path / "cells", say=print)
+    result = run_matrix(out=tmp_path / "cells", say=print, optimizers=("sgd", "adamw"))
     summary = result["summary"]
     assert summary["tp2"]["parity_share"] >= 0.9 and summary["pp2"]["parity_share"] >= 0.8, summary
     defects = {key: cell.cause for key, cell in _kinds(result).items() if cell.kind == "DEFECT"}
     assert set(defects) <= set(KNOWN_DEFECTS), {k: v for k, v in defects.items() if k not in KNOWN_DEFECTS}
+    # under AdamW every cell beyond 1e-5 is within 10x its floor (2026-12-05: 19 of 427 run cells, none beyond)
+    adamw_defects = {(family, layout): cell.cause for family, row in result["adamw_verdicts"].items()
+                     for layout, cell in row.items() if cell.kind == "DEFECT"}
+    assert not adamw_defects, adamw_defects
 
 
 def _result(first: float, last: float) -> dict:
