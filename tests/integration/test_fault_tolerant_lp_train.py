@@ -93,6 +93,8 @@ STOP_RUN = [a for a in RUN if not a.startswith("trainer.max_steps")] + [
     "+callbacks.ctrl_c.step=14", "+callbacks.ctrl_c.replica=0"]
 
 
+# 26 s; the suite's time budget: the lost-group restart through lp-train runs by default.
+@pytest.mark.extended
 def test_ctrl_c_to_lp_train_stops_every_replica_group_after_the_same_step_with_equal_checkpoints(tmp_path: Path):
     """After a group was lost and healed, the supervisor forwards Ctrl-C to both groups, which see it at different
     steps (the healed one counts its steps from where it rejoined); the groups vote the run-wide

@@ -218,6 +218,9 @@ def test_negative_control_dropping_padding_or_documents_fails_the_comparison(ref
         assert diff > CONTROL_GAP
 
 
+# 10 s; the suite's time budget: the two-rank context cells and strategies/test_context_parity's four-rank one
+# run by default.
+@pytest.mark.extended
 def test_context_composed_with_tensor_data_and_pipeline_on_four_ranks(references):
     per_rank = run_processes(run_recorded_cases, 4, _fit, FOUR_PROCESS, timeout=900)
     for case in FOUR_PROCESS:

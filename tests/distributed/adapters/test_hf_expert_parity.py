@@ -233,6 +233,8 @@ def test_a_balancing_term_formed_per_rank_is_caught(references, two_process_runs
     _check_control(references, two_process_runs, "control/qwen3_moe+localrouter/dp2/ep2")
 
 
+# 21 s; the suite's time budget: the two-rank expert cells and their controls run by default.
+@pytest.mark.extended
 def test_experts_composed_with_data_tensor_pipeline_and_context_on_four_ranks_and_the_control(references):
     per_rank = run_processes(run_recorded_cases, 4, _fit, FOUR_PROCESS, timeout=1200)
     for case in FOUR_PROCESS:

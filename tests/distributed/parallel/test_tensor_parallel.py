@@ -14,7 +14,8 @@ STEPS = 6
 N_BLOCKS = 2
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
+# tp4 with -m extended (the suite's time budget: 18 s); tp2 by default.
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.extended)], ids=["tp2", "tp4"])
 def checks(request):
     tp = request.param
     return tp, run_processes(tp_checks, tp, STEPS, tp == 2, timeout=300)

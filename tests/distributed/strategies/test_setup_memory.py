@@ -55,8 +55,10 @@ def _setup_memory(layout: str, build: str, folder: str | None = None) -> tuple[f
             [r["held_mib"] for r in ranks])
 
 
-@pytest.mark.parametrize("layout", ["pp2xtp2", "dp4_zero3"])
-@pytest.mark.parametrize("init", ["random", "pretrained"])
+# Pretrained under pp2 x tp2 and random under ZeRO 3 by default; the other two with -m extended (time budget).
+@pytest.mark.parametrize(("layout", "init"), [("pp2xtp2", "pretrained"), ("dp4_zero3", "random"),
+                                              pytest.param("pp2xtp2", "random", marks=pytest.mark.extended),
+                                              pytest.param("dp4_zero3", "pretrained", marks=pytest.mark.extended)])
 def test_a_rank_adds_at_most_one_and_a_half_shares_before_the_first_step(layout, init, request):
     folder = request.getfixturevalue("pretrained") if init == "pretrained" else None
     added, share, held = _setup_memory(layout, "configure_model", folder)
