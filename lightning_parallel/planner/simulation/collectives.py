@@ -63,12 +63,17 @@ def _sent(func: Any, args: tuple) -> Any:
     return args[0] if func.namespace.startswith("_c10d_functional") else args[1]
 
 
-def _leaves(value: Any) -> list[Any]:
-    """Everything inside nested lists, tuples and dicts of an operator's arguments."""
+def leaves(value: Any) -> list[Any]:
+    """Everything inside nested lists, tuples and dicts of an operator's arguments (the collective counter's and the
+    routing mode's one reading of them).
+
+    Args:
+        value: an operator's arguments, or any part of them.
+    """
     if isinstance(value, (list, tuple)):
-        return [leaf for item in value for leaf in _leaves(item)]
+        return [leaf for item in value for leaf in leaves(item)]
     if isinstance(value, dict):
-        return [leaf for item in value.values() for leaf in _leaves(item)]
+        return [leaf for item in value.values() for leaf in leaves(item)]
     return [value]
 
 
@@ -93,11 +98,11 @@ class CountCollectives(_compat.dispatch_mode()):  # type: ignore[misc]
         if not self.paused and func.namespace in ("c10d", "_c10d_functional", "_c10d_functional_autograd"):
             kind = _KINDS.get(func.overloadpacket.__name__.rstrip("_"))
             if kind is not None:
-                leaves = _leaves((args, kwargs))
+                arguments = leaves((args, kwargs))
                 sent = kind == "all_to_all"
-                sizes = [t.numel() * t.element_size() for t in (_leaves(_sent(func, args)) if sent else leaves)
+                sizes = [t.numel() * t.element_size() for t in (leaves(_sent(func, args)) if sent else arguments)
                          if isinstance(t, torch.Tensor)]
-                self.calls.append((kind, self._axis(leaves), sum(sizes) if sent else max(sizes, default=0)))
+                self.calls.append((kind, self._axis(arguments), sum(sizes) if sent else max(sizes, default=0)))
         return func(*args, **kwargs)
 
     def _axis(self, leaves: Iterable[Any]) -> str:

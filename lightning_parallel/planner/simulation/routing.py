@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from lightning_parallel import _compat
+from lightning_parallel.planner.simulation.collectives import leaves
 
 _aten = torch.ops.aten
 # c10d collectives whose CPU (count) buffers are filled with what this rank sends (every rank routes alike)
@@ -89,7 +90,7 @@ class BalancedRouting(_compat.dispatch_mode()):  # type: ignore[misc]
         if _masks_meta(func, args):
             raise NotImplementedError("a boolean mask over meta tensors (MoE capacity dropping: which copies an expert "
                                       "keeps) has no size without values")
-        tensors = [t for t in _leaves((args, kwargs)) if isinstance(t, Tensor)]
+        tensors = [t for t in leaves((args, kwargs)) if isinstance(t, Tensor)]
         if func is _compat.grouped_mm_operator() and args[0].device.type == "meta" and args[0].dtype != torch.bfloat16:
             # torch's meta rule for the grouped GEMM is CUDA's (bf16 only); the CPU kernel a real run takes also
             # multiplies fp32: the same shapes, asked of the rule in bf16
@@ -113,14 +114,6 @@ def _masks_meta(func: Any, args: tuple) -> bool:
     if func is _aten.index.Tensor:
         return any(isinstance(i, Tensor) and i.dtype == torch.bool and i.device.type == "meta" for i in args[1])
     return False
-
-
-def _leaves(value: Any) -> list[Any]:
-    if isinstance(value, (list, tuple)):
-        return [leaf for item in value for leaf in _leaves(item)]
-    if isinstance(value, dict):
-        return [leaf for item in value.values() for leaf in _leaves(item)]
-    return [value]
 
 
 def _fill_symmetric(name: str, args: tuple, out: Any) -> None:
