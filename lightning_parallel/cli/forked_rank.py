@@ -122,6 +122,15 @@ def _log_to_rank_file(run_dir: Path, rank: int) -> None:
             logger.addHandler(replaced[id(handler)])
 
 
+def exit_status(done: SystemExit) -> int:
+    """The process exit status ``sys.exit(code)`` asks for, as the interpreter computes it (None 0, a message 1).
+
+    Args:
+        done: the raised ``SystemExit``.
+    """
+    return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+
+
 def fork_rank(rank: int, env: dict[str, str], run_dir: Path, body: Callable[[], int]) -> ForkedRank:
     """Fork local rank ``rank``; in the child set its environment, run ``body`` and exit with its code.
 
@@ -144,7 +153,7 @@ def fork_rank(rank: int, env: dict[str, str], run_dir: Path, body: Callable[[], 
         _become_rank(rank, env, run_dir)
         code = body()
     except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        code = exit_status(done)
     except BaseException as error:  # noqa: BLE001 - the child must not unwind into the launcher's frames
         print(f"lp-train: rank {rank} failed before its job could report it: {error!r}", file=sys.stderr, flush=True)
         code = 1

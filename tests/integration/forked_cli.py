@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from lightning_parallel.cli.forked_rank import exit_status
 from lightning_parallel.testing import processes
 
 
@@ -47,7 +48,7 @@ def _command_in_child(module: str, args: list[str], cwd: str, env: dict[str, str
         result = entry.main()
         code = result if isinstance(result, int) else 0
     except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        code = exit_status(done)
     except BaseException:  # noqa: BLE001 - as an interpreter would: the traceback on stderr, exit code 1
         import traceback
 
