@@ -1,9 +1,10 @@
 """Runs ``lp-train`` for the error-message tests.
 
-Many cases in one process (the import is the slow part), or the installed command.
+Many cases in one process forked from the session's fork server (the import is the slow part), one ``lp-train``
+forked the same way, or the installed command (a new interpreter: what a user's shell runs, import-time output
+included).
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -11,19 +12,21 @@ from pathlib import Path
 
 MARK = "=== case "
 
-HELPER = f"""
-import json, sys
-from lightning_parallel.cli import train
-for name, args in json.loads(sys.argv[1]):
-    print({MARK!r} + name, flush=True)
-    sys.argv = ["lp-train", *args]
-    try:
-        train.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    print({MARK!r} + name + " exit " + str(code), flush=True)
-"""
+
+def _cases(cases: list[tuple[str, list[str]]]) -> int:
+    """In the forked process: ``lp-train`` for each case in turn, its output between two marks."""
+    from lightning_parallel.cli import train
+
+    for name, args in cases:
+        print(MARK + name, flush=True)
+        sys.argv = ["lp-train", *args]
+        try:
+            train.main()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code
+        print(f"{MARK}{name} exit {code}", flush=True)
+    return 0
 
 
 def entry_point_env():
@@ -35,9 +38,10 @@ def run_cases_in_one_process(cases, cwd):
 
     One entry for each ``(name, args)`` in ``cases``.
     """
-    payload = json.dumps([[name, [str(a) for a in args]] for name, args in cases])
-    result = subprocess.run([sys.executable, "-c", HELPER, payload], cwd=cwd, env=entry_point_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    from tests.integration.forked_cli import run_function
+
+    cases = [(name, [str(a) for a in args]) for name, args in cases]
+    result = run_function(_cases, (cases,), ["lp-train", "(cases)"], cwd, entry_point_env(), 300, merge_stderr=True)
     outputs = {}
     for name, _ in cases:
         head, tail = f"{MARK}{name}\n", f"{MARK}{name} exit "
@@ -46,6 +50,14 @@ def run_cases_in_one_process(cases, cwd):
         code = result.stdout[end + len(tail):].split("\n", 1)[0]
         outputs[name] = (int(code) if code.lstrip("-").isdigit() else code, result.stdout[start:end])
     return outputs
+
+
+def run_lp_train_forked(args, cwd):
+    """``(exit code, output)`` of ``lp-train`` forked from the fork server (stdout and stderr together)."""
+    from tests.integration.forked_cli import run_command
+
+    result = run_command("lightning_parallel.cli.train", list(args), cwd, entry_point_env(), 300, merge_stderr=True)
+    return result.returncode, result.stdout
 
 
 def run_lp_train(args, cwd):

@@ -17,14 +17,25 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from lightning_parallel.cli.forked_rank import exit_status
 from lightning_parallel.testing import processes
 
 
-def _command_in_child(module: str, args: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
-    """In the forked process: become ``python -m <module> *args`` run from ``cwd`` with ``env``; exit with its code."""
+def _main_of(module: str, args: list[str]) -> int:
+    """``python -m <module> *args``: its ``main()`` with ``sys.argv`` as the console script sets it."""
+    import importlib
+
+    sys.argv = [f"lp-{module.rsplit('.', 1)[-1]}", *args]
+    result = importlib.import_module(module).main()
+    return result if isinstance(result, int) else 0
+
+
+def _command_in_child(target: Callable[..., Optional[int]], args: tuple, cwd: str, env: dict[str, str], out: str,
+                      err: str) -> None:
+    """In the forked process: ``target(*args)`` run from ``cwd`` with ``env`` as a new interpreter would run it;
+    exit with its code."""
     code = 1
     try:
         os.chdir(cwd)
@@ -34,18 +45,20 @@ def _command_in_child(module: str, args: list[str], cwd: str, env: dict[str, str
         for path in reversed([cwd, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]):
             if path not in sys.path:
                 sys.path.insert(0, path)
-        for fd, name in ((1, out), (2, err)):
-            target = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(target, fd)
-            os.close(target)
-        import importlib
-
+        # One open file description when stderr joins stdout: two would each keep an offset and overwrite each other.
+        opened = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(opened, 1)
+        os.close(opened)
+        if err == out:
+            os.dup2(1, 2)
+        else:
+            opened = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(opened, 2)
+            os.close(opened)
         import torch
 
         torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1") or 1))
-        sys.argv = [f"lp-{module.rsplit('.', 1)[-1]}", *args]
-        entry = importlib.import_module(module)
-        result = entry.main()
+        result = target(*args)
         code = result if isinstance(result, int) else 0
     except SystemExit as done:
         code = exit_status(done)
@@ -75,13 +88,28 @@ def run_command(module: str, args: list[str], cwd: Path, env: dict[str, str], ti
     Returns:
         A ``subprocess.CompletedProcess`` with text stdout and stderr, as ``subprocess.run(..., text=True)``.
     """
+    args = [str(a) for a in args]
+    return run_function(_main_of, (module, args), [sys.executable, "-m", module, *args], cwd, env, timeout,
+                        merge_stderr)
+
+
+def run_function(target: Callable[..., Optional[int]], args: tuple, command: list[str], cwd: Path,
+                 env: dict[str, str], timeout: float, merge_stderr: bool = False) -> subprocess.CompletedProcess:
+    """``target(*args)`` in a process forked from the session's fork server, as :func:`run_command` runs a command.
+
+    Args:
+        target: a module-level function (the fork server unpickles it by name); its int result is the exit code.
+        args: its arguments (picklable).
+        command: what the result's ``args`` says was run.
+        cwd, env, timeout, merge_stderr: as :func:`run_command`.
+    """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(processes.PRELOAD))  # the server is shared with the distributed tests' ranks
     with tempfile.TemporaryDirectory(prefix="lp-cli-") as folder:
         out = str(Path(folder) / "stdout")
         err = out if merge_stderr else str(Path(folder) / "stderr")
-        child = ctx.Process(target=_command_in_child, args=(module, [str(a) for a in args], str(cwd), dict(env),
-                                                             out, err), daemon=False)
+        child = ctx.Process(target=_command_in_child, args=(target, args, str(cwd), dict(env), out, err),
+                            daemon=False)
         child.start()
         child.join(timeout)
         timed_out = child.is_alive()
@@ -90,7 +118,6 @@ def run_command(module: str, args: list[str], cwd: Path, env: dict[str, str], ti
             child.join()
         stdout = Path(out).read_text(errors="replace") if Path(out).exists() else ""
         stderr = None if merge_stderr else (Path(err).read_text(errors="replace") if Path(err).exists() else "")
-    command = [sys.executable, "-m", module, *map(str, args)]
     if timed_out:
         raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
     return subprocess.CompletedProcess(command, child.exitcode, stdout, stderr)

@@ -3,7 +3,8 @@
 The cases the layout checks do not cover (those are in test_layout_errors.py): unknown Trainer keys,
 an accelerator the machine lacks, a missing data path, resume and checkpoint mistakes, a folder that
 belongs to another run. Every case runs through the entry point's ``main()`` in one helper process (the
-import is the slow part); two also run through the installed ``lp-train`` command.
+import is the slow part); two also run as the ``lp-train`` command, one of them through the installed console
+script.
 """
 
 import json
@@ -11,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.integration.entry_point import run_cases_in_one_process, run_lp_train
+from tests.integration.entry_point import run_cases_in_one_process, run_lp_train, run_lp_train_forked
 
 pytestmark = pytest.mark.slow
 
@@ -60,8 +61,11 @@ def _in_process(tmp_path):
     return run_cases_in_one_process([(name, _args(over, tmp_path)) for name, over, _, _ in CASES], tmp_path)
 
 
-def _lp_train(overrides, tmp_path):
-    return run_lp_train(_args(overrides, tmp_path), tmp_path)
+def _lp_train(name, overrides, tmp_path):
+    # The last through the installed console script (a new interpreter, which asks for CUDA afresh), the other as
+    # the same command forked from the fork server.
+    run = run_lp_train if name == CLI_CASES[-1] else run_lp_train_forked
+    return run(_args(overrides, tmp_path), tmp_path)
 
 
 def _assert_one_short_error(name, code, output, fragments, remedy):
@@ -85,7 +89,7 @@ def test_bad_configs_fail_once_with_a_remedy_before_any_rank_starts(tmp_path):
     overrides = {name: over for name, over, _, _ in CASES}
     with ThreadPoolExecutor(max_workers=len(CLI_CASES) + 1) as pool:
         in_process = pool.submit(_in_process, tmp_path)
-        cli = {name: pool.submit(_lp_train, overrides[name], tmp_path) for name in CLI_CASES}
+        cli = {name: pool.submit(_lp_train, name, overrides[name], tmp_path) for name in CLI_CASES}
         results = {name: future.result() for name, future in cli.items()}
         outputs = in_process.result()
     for name, (code, output) in outputs.items():

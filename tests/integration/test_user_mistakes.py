@@ -2,19 +2,18 @@
 and the fix (exit code 2 through the command).
 
 Most run in this process through the checks ``lp-train`` runs before it starts a rank, in its order (the command
-line, Hydra's composition, preflight, the start checkpoint); a handful run through the installed command, which
-must print one error line, exit 2, start no rank and leave no run folder.
+line, Hydra's composition, preflight, the start checkpoint); a handful run as the ``lp-train`` command (one through
+the installed console script), which must print one error line, exit 2, start no rank and leave no run folder.
 """
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_parallel.cli.plan import compose
-from tests.integration.entry_point import entry_point_env
+from tests.integration.entry_point import entry_point_env, run_lp_train, run_lp_train_forked
+from tests.integration.forked_cli import run_command
 from tests.integration.lp_train_checks import refusal
 
 TINY = ["model=gpt_tiny", "trainer=cpu_test", "logger=none", "callbacks=none"]
@@ -121,11 +120,10 @@ def test_the_list_holds_at_least_25_mistakes_and_the_recipe_itself_passes(files,
     assert refusal([*TINY, "strategy=pipeline", "trainer.devices=2", "strategy.microbatches=4"], tmp_path / "r") == ""
 
 
-def _lp_train(args: list[str], cwd: Path) -> tuple[int, str]:
-    command = [str(Path(sys.executable).parent / "lp-train"), *args]
-    done = subprocess.run(command, cwd=cwd, env=entry_point_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=300)
-    return done.returncode, done.stdout
+def _lp_train(name: str, args: list[str], cwd: Path) -> tuple[int, str]:
+    # The last case through the installed console script (a new interpreter: import-time output would show), the
+    # others as the same command forked from the fork server.
+    return (run_lp_train if name == COMMAND_CASES[-1] else run_lp_train_forked)(args, cwd)
 
 
 @pytest.mark.slow
@@ -134,7 +132,7 @@ def test_through_the_command_a_mistake_exits_2_in_one_line_before_any_rank_and_l
     cases = {name: (overrides, fragments) for name, overrides, fragments in MISTAKES if name in COMMAND_CASES}
     assert len(cases) == len(COMMAND_CASES)
     for name, (overrides, fragments) in cases.items():
-        code, output = _lp_train([*TINY, *overrides.format(tmp=files).split()], tmp_path)
+        code, output = _lp_train(name, [*TINY, *overrides.format(tmp=files).split()], tmp_path)
         assert code == 2, f"{name}: exit {code}\n{output[-3000:]}"
         errors = [line for line in output.splitlines() if line.startswith("lp-train: error: ")]
         assert len(errors) == 1, f"{name}:\n{output[-3000:]}"
@@ -150,11 +148,11 @@ def test_through_the_command_a_mistake_exits_2_in_one_line_before_any_rank_and_l
 def test_an_error_only_a_running_rank_meets_is_shown_once_as_its_root_cause(ranks, tmp_path):
     from tests.integration.failing_model import CAUSE
 
-    command = [str(Path(sys.executable).parent / "lp-train"), *TINY, "trainer.devices=2", "trainer.max_steps=2",
-               "model._target_=tests.integration.failing_model.FailingGPT", f"+model.fail_on_ranks={ranks}"]
+    args = [*TINY, "trainer.devices=2", "trainer.max_steps=2",
+            "model._target_=tests.integration.failing_model.FailingGPT", f"+model.fail_on_ranks={ranks}"]
     env = {**entry_point_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # the ranks import the model
-    done = subprocess.run(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=300)
+    # lp-train forked from the fork server (it forks its rank 1 as the installed command does on CPU)
+    done = run_command("lightning_parallel.cli.train", args, tmp_path, env, 300, merge_stderr=True)
     output = done.stdout
     assert done.returncode != 0, output[-3000:]
     errors = [line for line in output.splitlines() if line.startswith("lp-train: error")]
