@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_parallel.runtime.ports import free_port
+from tests.integration.forked_cli import run_command
 
 pytestmark = pytest.mark.slow
 
@@ -27,14 +28,24 @@ RUN = [
 KILL_STEP = 7  # last complete checkpoint: step 6, batch 1 of epoch 1
 
 
+def _recorded(run_dir: Path) -> list[str]:
+    return ["+callbacks.record._target_=lightning_parallel.testing.BatchHistory",
+            f"+callbacks.record.folder={run_dir / 'batches'}", f"hydra.run.dir={run_dir}"]
+
+
+def _uninterrupted(run_dir: Path) -> subprocess.CompletedProcess:
+    """The reference: the same run through lp-train's own launcher (forked from the test session's fork server:
+    two new interpreters less; forked and spawned ranks train alike, tests/integration/test_run_lifecycle.py)."""
+    args = [*(a for a in RUN if a != "ckpt_path=last"), *_recorded(run_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", "PYTHONPATH": str(ROOT)}
+    return run_command("lightning_parallel.cli.train", args, ROOT, env, 600)
+
+
 def _torchrun(run_dir: Path, extra: list[str]) -> subprocess.CompletedProcess:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "-m", "lightning_parallel.cli.train", *RUN, *extra,
-        "+callbacks.record._target_=lightning_parallel.testing.BatchHistory",
-        f"+callbacks.record.folder={run_dir / 'batches'}",
-        f"hydra.run.dir={run_dir}",
+        "-m", "lightning_parallel.cli.train", *RUN, *extra, *_recorded(run_dir),
     ]  # fmt: skip
     # pytorch#135712: torchrun's c10d rendezvous shares its TCPStore with the workers' process
     # group, and a restarted attempt can read the dead attempt's addresses (gloo then fails
@@ -49,7 +60,7 @@ def _batches(run_dir: Path, rank: int) -> list[dict]:
 
 
 def test_killed_rank_restarts_from_mid_epoch_checkpoint_with_same_data_and_losses(tmp_path):
-    clean = _torchrun(tmp_path / "clean", [])
+    clean = _uninterrupted(tmp_path / "clean")
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
     fault = ["+callbacks.fault._target_=tests.integration.faults.KillRankAtStep", "+callbacks.fault.rank=1",
              f"+callbacks.fault.step={KILL_STEP}"]
