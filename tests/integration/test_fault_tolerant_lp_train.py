@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration.forked_cli import run_command
+
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow
 
@@ -39,8 +41,8 @@ RUN = ["model=gpt_tiny", "trainer=cpu_test", "data.seq_len=32", "data.batch_size
 
 def test_lp_train_restarts_a_lost_replica_group_which_heals_from_the_other(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-    result = subprocess.run([sys.executable, "-m", "lightning_parallel.cli.train", *RUN, f"hydra.run.dir={tmp_path}"],
-                            env=env, capture_output=True, text=True, timeout=600)
+    # The supervisor forked from the test session's fork server (its replica groups are new interpreters regardless)
+    result = run_command("lightning_parallel.cli.train", [*RUN, f"hydra.run.dir={tmp_path}"], Path.cwd(), env, 600)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert "lp-train: lighthouse at" in output
