@@ -49,13 +49,21 @@ def test_site_builds_in_strict_mode(tmp_path):
 @pytest.mark.slow
 @needs_mkdocs
 def test_a_broken_link_or_a_missing_reference_fails_the_build(tmp_path):
-    """Negative control: the same site with one broken link and one unresolved API reference."""
+    """Negative control: a two-page site with the project's settings (mkdocs.yml up to its nav: strict, hooks,
+    mkdocstrings) builds; one broken link and one unresolved API reference added to it fail the build."""
     copy = tmp_path / "repo"
-    shutil.copytree(ROOT / "docs", copy / "docs")
-    shutil.copytree(ROOT / "benchmarks" / "results", copy / "benchmarks" / "results")
-    shutil.copy2(ROOT / "mkdocs.yml", copy / "mkdocs.yml")
+    (copy / "docs").mkdir(parents=True)
+    shutil.copytree(ROOT / "docs" / "_hooks", copy / "docs" / "_hooks")
+    shutil.copytree(ROOT / "docs" / "stylesheets", copy / "docs" / "stylesheets")
+    settings = (ROOT / "mkdocs.yml").read_text()
+    (copy / "mkdocs.yml").write_text(settings[:settings.index("\nnav:")] + "\nnav:\n  - index.md\n  - api.md\n")
     (copy / "lightning_parallel").symlink_to(ROOT / "lightning_parallel", target_is_directory=True)
-    with (copy / "docs" / "index.md").open("a") as page:
+    (copy / "docs" / "api.md").write_text("# API\n\n::: lightning_parallel.layout.ParallelLayout\n")
+    index = copy / "docs" / "index.md"
+    index.write_text("# Home\n\n[The API](api.md), [`ParallelLayout`][lightning_parallel.layout.ParallelLayout]\n")
+    built = _build(copy / "mkdocs.yml", tmp_path / "site")
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    with index.open("a") as page:
         page.write("\n[gone](no-such-page.md) and [`Gone`][lightning_parallel.NoSuchStrategy]\n")
     result = _build(copy / "mkdocs.yml", tmp_path / "site")
     output = result.stdout + result.stderr

@@ -3,8 +3,6 @@ the layout they promise, and ``lp-train experiment=hf_tensor`` trains end to end
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -158,8 +156,7 @@ def test_lp_train_hf_hybrid_fine_tunes_a_pretrained_folder_with_one_override(tmp
     assert abs(first["loss"] - expected) < 1e-5
     checkpoint = next((tmp_path / "run" / "checkpoints").glob("last*"))
     exported = tmp_path / "exported"
-    convert = subprocess.run([sys.executable, "-m", "lightning_parallel.cli.convert", str(checkpoint), str(exported),
-                              "--to", "hf"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    convert = forked_or_spawned("lightning_parallel.cli.convert", [checkpoint, exported, "--to", "hf"], ROOT, env, 600)
     assert convert.returncode == 0, convert.stdout[-2000:] + convert.stderr[-3000:]
     loaded = transformers.AutoModelForCausalLM.from_pretrained(exported)
     assert loaded.config.vocab_size == PRETRAINED_VOCAB and type(loaded).__name__ == "Qwen2ForCausalLM"

@@ -7,11 +7,13 @@ The checks on the documentation site itself (strict build, README length, links)
 import importlib.util
 import os
 import re
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.forked_cli import run_function
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -60,13 +62,20 @@ def test_hugging_face_example_is_at_most_20_lines_and_the_docs_page_shows_the_sa
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs the hf extra (transformers)")
+def _run_script(path: str) -> int:
+    """As ``python <path>``: the file runs as ``__main__`` with ``sys.argv[0]`` its path (what Lightning re-runs)."""
+    sys.argv = [path]
+    runpy.run_path(path, run_name="__main__")
+    return 0
+
+
 def test_hugging_face_example_runs_as_written(tmp_path):
     """The README's example, unchanged: 2 CPU processes, tensor parallelism, 5 steps (Lightning re-runs the file)."""
     script = tmp_path / "hf_example.py"
     script.write_text(_hf_example())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)
+    # `python hf_example.py` forked from the session's fork server (its imports done); rank 1 is a new interpreter
+    result = run_function(_run_script, (str(script),), [sys.executable, str(script)], tmp_path, env, 300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
     assert "`Trainer.fit` stopped: `max_steps=5` reached." in output
