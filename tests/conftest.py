@@ -5,7 +5,18 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
 
+import importlib.util  # noqa: E402
+
 import pytest  # noqa: E402
+
+from lightning_parallel.testing import processes  # noqa: E402
+
+# The tests' ranks and commands are forked from one fork server per session, which imports processes.PRELOAD once.
+# Many ranks here build Hugging Face models: their model stack (transformers.modeling_utils, ~0.3-0.5 s and more with
+# torchao installed) is imported once there too instead of once per rank. Not in the library's PRELOAD: a user's
+# session without Hugging Face models would pay for it.
+if importlib.util.find_spec("transformers") is not None:
+    processes.PRELOAD = (*processes.PRELOAD, "transformers.modeling_utils")
 
 # What Lightning writes into os.environ when a test runs a Trainer in the test process itself (a launched rank's
 # coordinates). Left there, a later test's subprocess (lp-train, a README example) believes it is an already
