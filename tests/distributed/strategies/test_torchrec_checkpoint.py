@@ -68,7 +68,10 @@ def fit_dlrm(rank: int, world_size: int, sharding: str, steps: int, save_to: str
     return history.losses
 
 
-@pytest.mark.parametrize("epoch_steps", [EPOCH_STEPS, 2 * EPOCH_STEPS], ids=["epoch_end", "mid_epoch"])
+# Saved at an epoch's end repeats the claim with `pytest -m extended` (10 s here; the suite's time budget): saved
+# mid-epoch, the default cell, reshards the same tables and also restores the loader's place in the epoch.
+@pytest.mark.parametrize("epoch_steps", [pytest.param(EPOCH_STEPS, marks=pytest.mark.extended), 2 * EPOCH_STEPS],
+                         ids=["epoch_end", "mid_epoch"])
 def test_resume_on_four_ranks_column_wise_continues_a_two_rank_table_wise_run(tmp_path, epoch_steps):
     path, run = str(tmp_path / "step4.ckpt"), {"epoch_steps": epoch_steps, "timeout": 300}
     uninterrupted = run_processes(fit_dlrm, 2, "table_wise", 8, **run)[0]
@@ -99,8 +102,8 @@ def table_optimizer_states(rank: int, world_size: int, cases: dict[str, dict]) -
     from examples.recsys.torchrec_model import TorchRecDLRM
     from lightning_parallel.adapters.torchrec import _local_regions
     from lightning_parallel.callbacks import ExactDataResume
-    from lightning_parallel.strategies.torchrec.strategy import TorchRecStrategy
     from lightning_parallel.strategies.torchrec.replicated import TableOptimizers
+    from lightning_parallel.strategies.torchrec.strategy import TorchRecStrategy
     from lightning_parallel.testing.fit import quiet_trainer
 
     def pieces(strategy) -> dict[str, list]:
