@@ -186,14 +186,15 @@ def _report_stop(cfg: DictConfig) -> None:
 
 def _train_then_leave_group(cfg: DictConfig, *args: Any) -> dict[str, float]:
     """:func:`train`, then leave the process group while every rank is still there to leave it together."""
-    import torch.distributed as dist
+    from lightning_parallel.runtime.process_group import leave_process_group
 
     try:
-        return train(cfg, *args)
-    finally:
-        # Also: a multirun runs the next job in this process; it must start from a clean slate.
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        metrics = train(cfg, *args)
+    except BaseException:
+        leave_process_group(together=False)
+        raise
+    leave_process_group(together=True)
+    return metrics
 
 
 def run(cfg: DictConfig) -> Optional[float]:
