@@ -15,8 +15,10 @@ from lightning_parallel.testing import processes  # noqa: E402
 # Many ranks here build Hugging Face models: their model stack (transformers.modeling_utils, ~0.3-0.5 s and more with
 # torchao installed) is imported once there too instead of once per rank. Not in the library's PRELOAD: a user's
 # session without Hugging Face models would pay for it.
-if importlib.util.find_spec("transformers") is not None:
-    processes.PRELOAD = (*processes.PRELOAD, "transformers.modeling_utils")
+# TorchRec's ranks likewise import torchrec (0.6 s) once there. Neither starts a thread or touches CUDA on import.
+_SESSION_PRELOAD = {"transformers.modeling_utils": "transformers", "torchrec": "torchrec"}  # module: its package
+processes.PRELOAD = (*processes.PRELOAD, *(module for module, package in _SESSION_PRELOAD.items()
+                                           if importlib.util.find_spec(package) is not None))
 
 # What Lightning writes into os.environ when a test runs a Trainer in the test process itself (a launched rank's
 # coordinates). Left there, a later test's subprocess (lp-train, a README example) believes it is an already
