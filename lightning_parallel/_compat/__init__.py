@@ -26,13 +26,17 @@ Touch points, by package:
   :func:`fsdp2_step_on_meta`, :func:`clear_dtensor_caches`, :func:`dispatch_mode`, :func:`storage_key` and
   :func:`fsdp2_gathered_tensors` (lp-simulate's step),
   and for TorchRec (torch's optimizer in backward) :func:`in_backward_optimizer_settings`.
-* DeepSpeed: :func:`zero_merge_trainable_params`, :func:`zero3_param_coordinator`.
+* DeepSpeed: :func:`zero_merge_trainable_params`, :func:`zero3_param_coordinator`, :func:`skip_inference_shm_comm`.
 * transformers: :func:`hf_class_plans`, :func:`hf_init_weights`, :func:`hf_checkpoint_conversions`,
   :func:`hf_rename_checkpoint_key`, :func:`hf_masks_on_meta`,
   :func:`attention_implementation`, :func:`can_set_attention_implementation`.
 """
 
-from lightning_parallel._compat.deepspeed_internals import zero3_param_coordinator, zero_merge_trainable_params
+from lightning_parallel._compat.deepspeed_internals import (
+    skip_inference_shm_comm,
+    zero3_param_coordinator,
+    zero_merge_trainable_params,
+)
 from lightning_parallel._compat.lightning_internals import (
     DEEPSPEED_STRATEGY_OVERRIDES,
     DDPForwardRedirection,
@@ -85,6 +89,6 @@ __all__ = [
     "in_backward_optimizer_settings", "init_deepspeed_distributed", "init_fake_process_group",
     "init_model_parallel_process_group",
     "keep_lr_scheduler_marker", "load_planner_target", "optimizers_to_device", "remove_module_hooks",
-    "set_forward_redirection", "set_module_device_mesh", "unflatten_mesh_dim", "zero3_param_coordinator",
-    "zero_merge_trainable_params",
+    "set_forward_redirection", "set_module_device_mesh", "skip_inference_shm_comm", "unflatten_mesh_dim",
+    "zero3_param_coordinator", "zero_merge_trainable_params",
 ]

@@ -40,3 +40,18 @@ def zero3_param_coordinator(engine: Any) -> Any:
     offload = getattr(optimizer, "parameter_offload", optimizer)
     get_coordinator = getattr(offload, "get_param_coordinator", None)
     return get_coordinator() if callable(get_coordinator) else None
+
+
+def skip_inference_shm_comm() -> None:
+    """Tell DeepSpeed its CPU shared-memory all-reduce op is unavailable, before its comm backend starts.
+
+    Why private: DeepSpeed's ``TorchBackend`` compiles that op (C++ through ninja: 24 s on 2 cores, and a compiler
+    required) the first time it starts on CPU on a machine, and again whenever another DeepSpeed install built the
+    cached one; the op serves ``inference_all_reduce`` only (module_inject's inference tensor parallelism), which ZeRO
+    training never calls. ``deepspeed.ops.__compatible_ops__`` is the switch ``build_shm_op`` consults, and the
+    ``deepspeed.ops`` module keeps edits to it (its own comment).
+    """
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False

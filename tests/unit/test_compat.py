@@ -390,3 +390,20 @@ def test_dispatch_mode_sees_the_collectives_of_a_fake_world():
     finally:
         dist.destroy_process_group()
     assert "c10d" in seen
+
+
+def test_deepspeed_shm_comm_switch_is_the_one_its_backend_consults():
+    """The op skip_inference_shm_comm marks unavailable is the one DeepSpeed's comm backend would compile."""
+    import importlib
+    import inspect
+
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+    from lightning_parallel._compat import skip_inference_shm_comm
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # the module, not the torch it imports
+    assert "__compatible_ops__" in inspect.getsource(ds_torch.build_shm_op)
+    skip_inference_shm_comm()
+    assert deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] is False
+    assert ds_torch.build_shm_op() is None  # nothing compiled, nothing loaded

@@ -41,6 +41,7 @@ from lightning_parallel._compat import (
     init_deepspeed_distributed,
     remove_module_hooks,
     set_forward_redirection,
+    skip_inference_shm_comm,
 )
 from lightning_parallel.checkpoints.deepspeed.folder import check_deepspeed_checkpoint
 from lightning_parallel.checkpoints.detect import describe_checkpoint, unreadable_checkpoint_error
@@ -56,8 +57,8 @@ from lightning_parallel.strategies.deepspeed.config import (
 )
 from lightning_parallel.strategies.deepspeed.construction import use_deepspeed_accelerator
 from lightning_parallel.strategies.deepspeed.steps import AutocastDeepSpeedPrecision, ZeRO3ForwardRedirection
-from lightning_parallel.strategies.reduction import ReduceWithoutBarrier
 from lightning_parallel.strategies.module_adapter import strategy_adapter
+from lightning_parallel.strategies.reduction import ReduceWithoutBarrier
 
 # Names registered by DeepSpeedDataParallelStrategy.register_strategies -> constructor arguments.
 REGISTERED = {
@@ -178,6 +179,8 @@ class DeepSpeedDataParallelStrategy(ReduceWithoutBarrier, DeepSpeedStrategy):
             self.lightning_module, self.activation_checkpointing, adapter=strategy_adapter(self)
         )
         use_deepspeed_accelerator(self.device_type)  # before configure_model: zero.Init allocates there
+        if self.device_type == "cpu":
+            skip_inference_shm_comm()  # an inference-only op DeepSpeed would compile (24 s) when its comm starts
         # Skip DeepSpeedStrategy.setup_environment (its CUDA check); DDPStrategy's sets the
         # device up and calls setup_distributed below.
         super(DeepSpeedStrategy, self).setup_environment()
