@@ -23,13 +23,13 @@ from lightning_parallel.cli.forked_rank import exit_status
 from lightning_parallel.testing import processes
 
 
-def _main_of(module: str, args: list[str]) -> int:
-    """``python -m <module> *args``: its ``main()`` with ``sys.argv`` as the console script sets it."""
+def _main_of(module: str, args: list[str]) -> Optional[int]:
+    """``python -m <module> *args``: its ``main()`` with ``sys.argv`` as the console script sets it (the child reads
+    the exit code from what it returns)."""
     import importlib
 
     sys.argv = [f"lp-{module.rsplit('.', 1)[-1]}", *args]
-    result = importlib.import_module(module).main()
-    return result if isinstance(result, int) else 0
+    return importlib.import_module(module).main()
 
 
 def _command_in_child(target: Callable[..., Optional[int]], args: tuple, cwd: str, env: dict[str, str], out: str,
